@@ -1,0 +1,1 @@
+"""tpkit.models"""

@@ -1,0 +1,1 @@
+"""tpkit.parallel_layers"""
