@@ -1,1 +1,13 @@
-"""tpkit.attention"""
+"""tpkit.attention: paged KV cache, the paged attention ops and the Attention module.
+
+``paged_attention`` and ``reshape_and_cache`` are ``torch.library`` custom ops
+(``torch.ops.tpkit.paged_attention``, ``torch.ops.tpkit.reshape_and_cache``) with a PyTorch implementation
+for the CPU and a CUDA kernel for NVIDIA GPUs. Caches are
+``[num_blocks, block_size, num_kv_heads, head_size]``.
+"""
+
+from tpkit.attention.kv_cache import AttentionMetadata, PagedKVCache
+from tpkit.attention.layer import Attention
+from tpkit.attention.ops import paged_attention, reshape_and_cache
+
+__all__ = ["Attention", "AttentionMetadata", "PagedKVCache", "paged_attention", "reshape_and_cache"]

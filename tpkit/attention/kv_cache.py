@@ -1,0 +1,227 @@
+"""Paged KV cache: per-layer key/value caches and the block allocator that hands out their blocks."""
+
+from __future__ import annotations
+
+import logging
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger("tpkit.attention")
+
+
+@dataclass
+class AttentionMetadata:
+    """Where one forward step of a batch of sequences reads and writes the paged cache.
+
+    ``slot_mapping`` has one entry per token of the (right-padded) batch, row-major over
+    ``[num_seqs, q_len]``: the cache slot (``block * block_size + offset``) its K/V is written to, -1 for
+    padding and for steps that write nothing. ``query_lens`` counts each sequence's query tokens this step:
+    the prompt lengths at prefill, 1 at decode.
+    """
+
+    is_prefill: bool
+    slot_mapping: torch.Tensor  # int64 [num_seqs * q_len]
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq]
+    seq_lens: torch.Tensor  # int32 [num_seqs]: tokens in the cache after this step
+    query_lens: torch.Tensor  # int32 [num_seqs]
+
+
+def _check_config(dtype: object, **sizes: object) -> None:
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"PagedKVCache: {name}: expected an int, got {type(value).__name__}")
+        if value < 1:
+            raise ValueError(f"PagedKVCache: {name}: expected a positive int, got {value}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"PagedKVCache: dtype: expected a floating-point torch.dtype, got {dtype!r}")
+
+
+def _as_prompt_len(prompt_len: object, seq_id: int) -> int:
+    error = ValueError(f"PagedKVCache.prefill_metadata: prompt_lens: expected positive ints, got "
+                       f"{prompt_len!r} for seq_id {seq_id}")
+    if isinstance(prompt_len, bool):
+        raise error
+    try:
+        # Takes Python, NumPy and 0-d tensor integers alike, and refuses floats.
+        length = operator.index(prompt_len)
+    except TypeError:
+        raise error from None
+    if length < 1:
+        raise error
+    return length
+
+
+def _bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_size: int,
+                     dtype: torch.dtype) -> int:
+    # Keys and values, every layer.
+    return 2 * num_layers * block_size * num_kv_heads * head_size * dtype.itemsize
+
+
+class PagedKVCache:
+    """Per-layer key and value caches of one rank's KV heads, with a block allocator.
+
+    Each cache is ``[num_blocks, block_size, num_kv_heads, head_size]``. A sequence (named by an int
+    ``seq_id``) owns a list of blocks, allocated as it grows and shared by every layer; its block table
+    maps its logical blocks to those physical blocks. Allocation fails with a RuntimeError, before any
+    state changes, when not enough blocks are free.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        _check_config(dtype, num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
+                      num_kv_heads=num_kv_heads, head_size=head_size)
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_size = head_size
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_blocks, block_size, num_kv_heads, head_size)
+        self.key_caches: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=self.device)
+                                               for _ in range(num_layers)]
+        self.value_caches: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=self.device)
+                                                 for _ in range(num_layers)]
+        # Popped from the end: the lowest block ids go first, which keeps a fresh cache's tables readable.
+        self._free_blocks: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._seq_blocks: dict[int, list[int]] = {}
+        self._seq_lens: dict[int, int] = {}
+
+    @classmethod
+    def from_memory_budget(
+        cls,
+        memory_bytes: int,
+        num_layers: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> PagedKVCache:
+        """As many blocks as fit in ``memory_bytes`` (keys and values of every layer), on this rank."""
+        _check_config(dtype, memory_bytes=memory_bytes, num_layers=num_layers, block_size=block_size,
+                      num_kv_heads=num_kv_heads, head_size=head_size)
+        block_bytes = _bytes_per_block(num_layers, block_size, num_kv_heads, head_size, dtype)
+        num_blocks = memory_bytes // block_bytes
+        if num_blocks < 1:
+            raise ValueError(f"PagedKVCache: memory_bytes: expected at least one KV block's worth "
+                             f"({block_bytes} bytes for {num_layers} layers), got {memory_bytes}")
+        logger.info("# KV blocks: %d (%d tokens) per rank", num_blocks, num_blocks * block_size)
+        return cls(num_layers, num_blocks, block_size, num_kv_heads, head_size, dtype=dtype, device=device)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_blocks)
+
+    def seq_len(self, seq_id: int) -> int:
+        """Tokens of ``seq_id`` in the cache."""
+        self._check_known(seq_id)
+        return self._seq_lens[seq_id]
+
+    def prefill_metadata(self, seq_ids: Sequence[int], prompt_lens: Sequence[int]) -> AttentionMetadata:
+        """Allocate blocks for new sequences and map their prompts, right-padded to ``max(prompt_lens)``."""
+        seq_ids = self._check_seq_ids(seq_ids)
+        if len(prompt_lens) != len(seq_ids):
+            raise ValueError(f"PagedKVCache.prefill_metadata: prompt_lens: expected {len(seq_ids)} lengths "
+                             f"(one per seq_id), got {len(prompt_lens)}")
+        lengths = []
+        for seq_id, prompt_len in zip(seq_ids, prompt_lens, strict=True):
+            if seq_id in self._seq_blocks:
+                raise ValueError(f"PagedKVCache.prefill_metadata: seq_ids: expected new sequences, got "
+                                 f"{seq_id}, which is already cached (free it first)")
+            lengths.append(_as_prompt_len(prompt_len, seq_id))
+        prompt_lens = lengths
+        needed = [-(-prompt_len // self.block_size) for prompt_len in prompt_lens]
+        self._check_available(sum(needed), "prefill")
+        for seq_id, prompt_len, num in zip(seq_ids, prompt_lens, needed, strict=True):
+            self._seq_blocks[seq_id] = [self._free_blocks.pop() for _ in range(num)]
+            self._seq_lens[seq_id] = prompt_len
+
+        block_tables = self._block_tables(seq_ids)  # [num_seqs, max_blocks_per_seq]
+        lens = torch.tensor(prompt_lens, dtype=torch.int64)  # [num_seqs]
+        positions = torch.arange(max(prompt_lens))  # [padded_len]
+        blocks = block_tables.long()[:, positions // self.block_size]  # [num_seqs, padded_len]
+        slots = blocks * self.block_size + positions % self.block_size
+        slot_mapping = torch.where(positions[None, :] < lens[:, None], slots, -1)
+        return self._metadata(True, slot_mapping.flatten(), block_tables, prompt_lens, prompt_lens)
+
+    def decode_metadata(self, seq_ids: Sequence[int], append: bool = True) -> AttentionMetadata:
+        """One decode step of cached sequences.
+
+        ``append=True`` (self-attention): one new token per sequence, its slot allocated (a new block when
+        the last one is full). ``append=False`` (cross-attention over stored encoder K/V): attend to what
+        is cached; nothing is allocated or written (``slot_mapping`` is all -1).
+        """
+        seq_ids = self._check_seq_ids(seq_ids)
+        for seq_id in seq_ids:
+            self._check_known(seq_id)
+        if append:
+            growing = [seq_id for seq_id in seq_ids if self._seq_lens[seq_id] % self.block_size == 0]
+            self._check_available(len(growing), "decode")
+            for seq_id in growing:
+                self._seq_blocks[seq_id].append(self._free_blocks.pop())
+            slots = []
+            for seq_id in seq_ids:
+                position = self._seq_lens[seq_id]
+                block = self._seq_blocks[seq_id][position // self.block_size]
+                slots.append(block * self.block_size + position % self.block_size)
+                self._seq_lens[seq_id] = position + 1
+            slot_mapping = torch.tensor(slots, dtype=torch.int64)  # [num_seqs]
+        else:
+            slot_mapping = torch.full((len(seq_ids),), -1, dtype=torch.int64)  # [num_seqs]
+        seq_lens = [self._seq_lens[seq_id] for seq_id in seq_ids]
+        return self._metadata(False, slot_mapping, self._block_tables(seq_ids), seq_lens, [1] * len(seq_ids))
+
+    def free(self, seq_id: int) -> None:
+        """Return a sequence's blocks to the allocator."""
+        self._check_known(seq_id)
+        self._free_blocks.extend(reversed(self._seq_blocks.pop(seq_id)))
+        del self._seq_lens[seq_id]
+
+    def _check_seq_ids(self, seq_ids: Sequence[int]) -> list[int]:
+        seq_ids = list(seq_ids)
+        if not seq_ids:
+            raise ValueError("PagedKVCache: seq_ids: expected at least one sequence, got none")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"PagedKVCache: seq_ids: expected distinct ids, got {seq_ids}")
+        return seq_ids
+
+    def _check_known(self, seq_id: int) -> None:
+        if seq_id not in self._seq_blocks:
+            raise ValueError(f"PagedKVCache: seq_id: expected a cached sequence (one of "
+                             f"{sorted(self._seq_blocks)}), got {seq_id!r}")
+
+    def _check_available(self, needed: int, step: str) -> None:
+        if needed > len(self._free_blocks):
+            raise RuntimeError(f"PagedKVCache: out of KV blocks: this {step} step needs {needed} blocks, "
+                               f"{len(self._free_blocks)} of {self.num_blocks} are free (free finished "
+                               f"sequences, or give the cache more memory)")
+
+    def _block_tables(self, seq_ids: list[int]) -> torch.Tensor:
+        width = max(len(self._seq_blocks[seq_id]) for seq_id in seq_ids)
+        # Entries past a sequence's blocks are never read; 0 keeps them in range.
+        rows = [blocks + [0] * (width - len(blocks)) for blocks in (self._seq_blocks[i] for i in seq_ids)]
+        return torch.tensor(rows, dtype=torch.int32)  # [num_seqs, max_blocks_per_seq]
+
+    def _metadata(self, is_prefill: bool, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                  seq_lens: Sequence[int], query_lens: Sequence[int]) -> AttentionMetadata:
+        return AttentionMetadata(
+            is_prefill=is_prefill,
+            slot_mapping=slot_mapping.to(self.device),
+            block_tables=block_tables.to(self.device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
+            query_lens=torch.tensor(query_lens, dtype=torch.int32, device=self.device),
+        )

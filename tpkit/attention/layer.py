@@ -1,0 +1,176 @@
+"""The Attention module: SDPA without a cache or at prefill, paged attention at decode."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tpkit.attention.kv_cache import AttentionMetadata, PagedKVCache
+from tpkit.attention.ops import paged_attention, reshape_and_cache
+
+
+class Attention(nn.Module):
+    """Multi-head attention over already projected queries, keys and values, for one rank's heads.
+
+    Inputs are ``[batch, seq, heads * head_size]``, right-padded for ragged batches. Query head ``h`` reads
+    KV head ``h // (num_heads // num_kv_heads)`` (MHA, GQA, MQA). The module has no parameters.
+
+    - ``kv_cache=None``: plain SDPA over the inputs (causal, or masked by ``key_lens``).
+    - ``metadata.is_prefill``: SDPA over the inputs; their K/V are written to the cache with
+      ``reshape_and_cache`` at ``metadata.slot_mapping`` (padding skipped). Causal attention needs no
+      padding mask (a valid query never sees a later position, so SDPA's fastest causal kernels serve
+      ragged batches); non-causal attention masks keys past ``metadata.seq_lens``.
+    - decode (``q_len == 1``): the new K/V (if given) are written, then ``paged_attention`` over the cache.
+
+    Outputs at padded query positions are finite but meaningless.
+
+    Cross-attention is ``causal=False`` with its own cache: the encoder K/V are passed and written at
+    prefill (from ``prefill_metadata(seq_ids, encoder_lens)``), and decode steps pass ``key=value=None``
+    with ``decode_metadata(seq_ids, append=False)``.
+    """
+
+    def __init__(self, num_heads: int, head_size: int, num_kv_heads: int | None = None, *,
+                 scale: float | None = None, causal: bool = True) -> None:
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        sizes = dict(num_heads=num_heads, head_size=head_size, num_kv_heads=num_kv_heads)
+        for name, value in sizes.items():
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"Attention: {name}: expected an int, got {type(value).__name__}")
+            if value < 1:
+                raise ValueError(f"Attention: {name}: expected a positive int, got {value}")
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"Attention: num_kv_heads: expected a divisor of num_heads = {num_heads}, "
+                             f"got {num_kv_heads}")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.num_kv_heads = num_kv_heads
+        self.scale = 1.0 / math.sqrt(head_size) if scale is None else float(scale)
+        self.causal = causal
+
+    def extra_repr(self) -> str:
+        return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_size={self.head_size}, "
+                f"scale={self.scale:.6g}, causal={self.causal}")
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        *,
+        kv_cache: PagedKVCache | None = None,
+        layer_idx: int = 0,
+        metadata: AttentionMetadata | None = None,
+        key_lens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attend ``query`` to ``key``/``value`` or to the cache.
+
+        Returns ``[batch, q_len, num_heads * head_size]`` in query's dtype.
+
+        Args:
+            query: ``[batch, q_len, num_heads * head_size]``.
+            key, value: ``[batch, kv_len, num_kv_heads * head_size]``, or both None at a cross-attention
+                decode step (the K/V are already cached).
+            kv_cache, layer_idx, metadata: the paged cache, this layer's index in it, and the step's
+                metadata from ``kv_cache.prefill_metadata`` / ``decode_metadata``.
+            key_lens: int ``[batch]``, valid keys per sequence (each at least 1), without a cache only. Causal
+                attention needs none for right padding: a valid query never sees a later position. With a
+                cache, the key lengths are ``metadata.seq_lens``.
+        """
+        self._check_hidden("query", query, self.num_heads)
+        batch, q_len, _ = query.shape
+        if (key is None) != (value is None):
+            raise ValueError(f"Attention: key, value: expected both tensors or both None, got "
+                             f"{type(key).__name__} and {type(value).__name__}")
+        if key is not None:
+            self._check_hidden("key", key, self.num_kv_heads, batch)
+            self._check_hidden("value", value, self.num_kv_heads, batch)
+            if key.shape != value.shape:
+                raise ValueError(f"Attention: value: expected shape {list(key.shape)} (that of key), got "
+                                 f"{list(value.shape)}")
+
+        if kv_cache is None:
+            if key is None:
+                raise ValueError("Attention: key, value: expected tensors without a kv_cache, got None")
+            return self._sdpa(query, key, value, key_lens)
+        if metadata is None:
+            raise ValueError("Attention: metadata: expected the step's AttentionMetadata with a kv_cache, "
+                             "got None")
+        if not 0 <= layer_idx < kv_cache.num_layers:
+            raise ValueError(f"Attention: layer_idx: expected an index in [0, {kv_cache.num_layers}), got "
+                             f"{layer_idx}")
+        key_cache = kv_cache.key_caches[layer_idx]
+        value_cache = kv_cache.value_caches[layer_idx]
+
+        if metadata.is_prefill:
+            if key is None:
+                raise ValueError("Attention: key, value: expected tensors at prefill, got None")
+            # [batch * kv_len, num_kv_heads, head_size]: views, the token stride stays that of the input.
+            reshape_and_cache(key.reshape(-1, self.num_kv_heads, self.head_size),
+                              value.reshape(-1, self.num_kv_heads, self.head_size),
+                              key_cache, value_cache, metadata.slot_mapping)
+            return self._sdpa(query, key, value, None if self.causal else metadata.seq_lens)
+
+        if q_len != 1:
+            raise ValueError(f"Attention: query: expected q_len 1 at a decode step, got shape "
+                             f"{list(query.shape)}")
+        if key is not None:
+            if key.shape[1] != 1:
+                raise ValueError(f"Attention: key: expected kv_len 1 at a decode step, got shape "
+                                 f"{list(key.shape)}")
+            reshape_and_cache(key.reshape(batch, self.num_kv_heads, self.head_size),
+                              value.reshape(batch, self.num_kv_heads, self.head_size),
+                              key_cache, value_cache, metadata.slot_mapping)
+        # [batch, num_heads, head_size]; contiguous (it is small) so kernels see a dense query.
+        decode_query = query.reshape(batch, self.num_heads, self.head_size).contiguous()
+        out = paged_attention(decode_query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
+                              scale=self.scale)
+        return out.view(batch, 1, self.num_heads * self.head_size)
+
+    def _check_hidden(self, name: str, tensor: torch.Tensor, num_heads: int,
+                      batch: int | None = None) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"Attention: {name}: expected a torch.Tensor, got {type(tensor).__name__}")
+        width = num_heads * self.head_size
+        if tensor.dim() != 3 or tensor.shape[2] != width or (batch is not None and tensor.shape[0] != batch):
+            batch_text = "batch" if batch is None else str(batch)
+            raise ValueError(f"Attention: {name}: expected shape [{batch_text}, seq, {width}], got "
+                             f"{list(tensor.shape)}")
+
+    def _sdpa(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              key_lens: torch.Tensor | None) -> torch.Tensor:
+        batch, q_len, _ = query.shape
+        kv_len = key.shape[1]
+        group = self.num_heads // self.num_kv_heads
+        # [batch, num_heads, q_len, head_size]; k, v: [batch, num_kv_heads, kv_len, head_size]
+        q = query.unflatten(-1, (self.num_heads, self.head_size)).transpose(1, 2)
+        k = key.unflatten(-1, (self.num_kv_heads, self.head_size)).transpose(1, 2)
+        v = value.unflatten(-1, (self.num_kv_heads, self.head_size)).transpose(1, 2)
+        if self.causal:
+            if q_len != kv_len:
+                raise ValueError(f"Attention: key: expected kv_len = q_len = {q_len} for causal attention, "
+                                 f"got {kv_len}")
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                                 enable_gqa=group > 1)
+        else:
+            mask = None if key_lens is None else _key_padding_mask(key_lens, batch, kv_len, key.device)
+            # Without causality the query heads of one KV head are just more query rows: folding them in
+            # shares K/V without copies, on every SDPA backend.
+            q = q.reshape(batch, self.num_kv_heads, group * q_len, self.head_size)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+            out = out.view(batch, self.num_heads, q_len, self.head_size)
+        return out.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_size)
+
+
+def _key_padding_mask(key_lens: torch.Tensor, batch: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """[batch, 1, 1, kv_len] bool, True where a key is attended; broadcasts over heads and query rows."""
+    if not isinstance(key_lens, torch.Tensor):
+        raise TypeError(f"Attention: key_lens: expected an int tensor, got {type(key_lens).__name__}")
+    if key_lens.shape != (batch,) or key_lens.dtype.is_floating_point or key_lens.dtype == torch.bool:
+        raise ValueError(f"Attention: key_lens: expected an int tensor of shape [{batch}], got "
+                         f"{key_lens.dtype} of shape {list(key_lens.shape)}")
+    positions = torch.arange(kv_len, device=device)
+    return (positions[None, :] < key_lens.to(device)[:, None])[:, None, None, :]

@@ -1,0 +1,144 @@
+"""Vectorized pure-PyTorch paged attention and cache writes.
+
+These are the CPU implementations of the ``tpkit`` ops, the GPU fallback where the CUDA kernel cannot be
+built, and the reference the kernel is tested against. They run on any device without host
+synchronisation, so they can be captured in CUDA graphs: the work follows the shapes (the full width of
+``block_tables``), never the values of ``seq_lens`` or ``slot_mapping``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Upper bound on the elements of one gathered float32 K (or V, or score) chunk: 2**24 elements is 64 MiB,
+# so a chunk's working set stays a few hundred MiB whatever the batch and context length.
+CHUNK_ELEMENTS = 1 << 24
+
+
+def paged_attention_reference(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    alibi_slopes: torch.Tensor | None,
+) -> None:
+    """Decode attention of each sequence's query over its paged K/V, written into ``out``.
+
+    Arguments are as for ``tpkit.attention.paged_attention`` and are assumed valid. Sequences and KV
+    blocks are processed in chunks of at most :data:`CHUNK_ELEMENTS` gathered elements, merged with a
+    running log-sum-exp, so memory stays bounded for any context length.
+    """
+    num_seqs, num_heads, head_size = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    group = num_heads // num_kv_heads
+    num_table_blocks = block_tables.shape[1]
+    if num_seqs == 0 or num_table_blocks == 0:
+        out.zero_()
+        return
+
+    per_token = max(num_kv_heads * head_size, num_heads)
+    blocks_per_chunk = max(1, min(num_table_blocks, CHUNK_ELEMENTS // (block_size * per_token)))
+    seqs_per_chunk = max(1, min(num_seqs, CHUNK_ELEMENTS // (blocks_per_chunk * block_size * per_token)))
+    # [num_heads] -> [num_kv_heads, group], matching the query's grouping below.
+    slopes = None if alibi_slopes is None else alibi_slopes.float().view(num_kv_heads, group)
+    for s0 in range(0, num_seqs, seqs_per_chunk):
+        s1 = min(num_seqs, s0 + seqs_per_chunk)
+        # [S, num_kv_heads, group, head_size]: query heads of one KV head side by side, so GQA needs no
+        # copies of K/V.
+        q = (query[s0:s1].float() * scale).view(s1 - s0, num_kv_heads, group, head_size)
+        lens = seq_lens[s0:s1].long()  # [S]
+        result = _attend_chunk(q, key_cache, value_cache, block_tables[s0:s1], lens, slopes,
+                               num_table_blocks, blocks_per_chunk)
+        out[s0:s1] = result.view(s1 - s0, num_heads, head_size).to(out.dtype)
+
+
+def _attend_chunk(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    lens: torch.Tensor,
+    slopes: torch.Tensor | None,
+    num_table_blocks: int,
+    blocks_per_chunk: int,
+) -> torch.Tensor:
+    """Attention of a chunk of sequences, over their table in pieces of ``blocks_per_chunk`` blocks.
+
+    q [S, num_kv_heads, group, head_size] float32, pre-scaled; lens int64 [S]; returns float32
+    [S, num_kv_heads, group, head_size].
+    """
+    num_seqs, num_kv_heads, group, head_size = q.shape
+    block_size = key_cache.shape[1]
+    device = q.device
+    running_max = torch.full((num_seqs, num_kv_heads, group, 1), float("-inf"), device=device)
+    running_sum = torch.zeros((num_seqs, num_kv_heads, group, 1), device=device)
+    acc = torch.zeros_like(q)
+    for b0 in range(0, num_table_blocks, blocks_per_chunk):
+        b1 = min(num_table_blocks, b0 + blocks_per_chunk)
+        num_tokens = (b1 - b0) * block_size
+        block_start = torch.arange(b0, b1, device=device) * block_size  # [B]
+        used = block_start[None, :] < lens[:, None]  # [S, B]
+        # Table entries past a sequence's used blocks may be garbage: point them at block 0, whose
+        # contents are masked out below.
+        table = torch.where(used, block_tables[:, b0:b1].long(), 0)  # [S, B]
+        positions = torch.arange(b0 * block_size, b1 * block_size, device=device)  # [T]
+        valid = positions[None, :] < lens[:, None]  # [S, T]
+        keys = key_cache[table].view(num_seqs, num_tokens, num_kv_heads, head_size).float()
+        values = value_cache[table].view(num_seqs, num_tokens, num_kv_heads, head_size).float()
+        # Unused slots may hold NaN, and NaN * 0 is NaN: mask the values as well as the scores.
+        values = torch.where(valid[:, :, None, None], values, 0.0)
+        scores = torch.einsum("shgd,sthd->shgt", q, keys)  # [S, num_kv_heads, group, T]
+        if slopes is not None:
+            distance = (positions[None, :] - (lens[:, None] - 1)).float()  # [S, T]
+            scores = scores + slopes[None, :, :, None] * distance[:, None, None, :]
+        scores = torch.where(valid[:, None, None, :], scores, float("-inf"))
+        new_max = torch.maximum(running_max, scores.amax(dim=-1, keepdim=True))
+        # A row with no valid key yet has max -inf; subtracting 0 instead keeps exp() at 0, not NaN.
+        safe_max = torch.where(torch.isinf(new_max), 0.0, new_max)
+        probs = torch.exp(scores - safe_max)
+        correction = torch.exp(running_max - safe_max)
+        running_sum = running_sum * correction + probs.sum(dim=-1, keepdim=True)
+        acc = acc * correction + torch.einsum("shgt,sthd->shgd", probs, values)
+        running_max = new_max
+    # seq_len 0: nothing attended, the result is zeros.
+    return torch.where(running_sum > 0, acc / running_sum, 0.0)
+
+
+def reshape_and_cache_reference(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write each token's K/V into its cache slot; negative slots (and, as in the kernel, slots past the
+    cache) are skipped.
+
+    Arguments are as for ``tpkit.attention.reshape_and_cache`` and are assumed valid.
+
+    Skipping without a host sync: a boolean-mask selection would need the number of valid tokens on the
+    host. Instead every skipped token is redirected to the slot of one valid "donor" token, carrying that
+    donor's own K/V, so the duplicate writes all store identical bits and the result is deterministic.
+    When no token is valid, the donor is slot 0 rewritten with its current contents, read before the write.
+    """
+    num_tokens = key.shape[0]
+    if num_tokens == 0:
+        return
+    num_blocks, block_size = key_cache.shape[:2]
+    valid = (slot_mapping >= 0) & (slot_mapping < num_blocks * block_size)  # [num_tokens]
+    any_valid = valid.any()
+    # [1]: the first valid token, 0 when there is none. index_select, unlike indexing with a 0-d tensor,
+    # never reads the index on the host.
+    donor = torch.argmax(valid.int()).view(1)
+    donor_slot = torch.where(any_valid, slot_mapping.index_select(0, donor), 0)  # [1]
+    slots = torch.where(valid, slot_mapping, donor_slot)  # [num_tokens]
+    blocks = torch.div(slots, block_size, rounding_mode="floor")
+    offsets = slots - blocks * block_size
+    for new, cache in ((key, key_cache), (value, value_cache)):
+        # [1, num_kv_heads, head_size]
+        donor_row = torch.where(any_valid, new.index_select(0, donor), cache[:1, 0])
+        rows = torch.where(valid[:, None, None], new, donor_row)  # [num_tokens, num_kv_heads, head_size]
+        cache.index_put_((blocks, offsets), rows)
