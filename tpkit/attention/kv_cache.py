@@ -220,8 +220,16 @@ class PagedKVCache:
                   seq_lens: Sequence[int], query_lens: Sequence[int]) -> AttentionMetadata:
         return AttentionMetadata(
             is_prefill=is_prefill,
-            slot_mapping=slot_mapping.to(self.device),
-            block_tables=block_tables.to(self.device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
-            query_lens=torch.tensor(query_lens, dtype=torch.int32, device=self.device),
+            slot_mapping=self._to_device(slot_mapping),
+            block_tables=self._to_device(block_tables),
+            seq_lens=self._to_device(torch.tensor(seq_lens, dtype=torch.int32)),
+            query_lens=self._to_device(torch.tensor(query_lens, dtype=torch.int32)),
         )
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        # A copy from pageable memory makes the host wait for the GPU to drain its queue; from pinned
+        # memory it is queued behind the work already there, so building the next step's metadata
+        # overlaps the current step.
+        return host.pin_memory().to(self.device, non_blocking=True)
