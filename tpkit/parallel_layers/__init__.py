@@ -1,1 +1,48 @@
-"""tpkit.parallel_layers"""
+"""tpkit.parallel_layers: tensor-parallel process groups, collectives, and sharded linear/embedding layers.
+
+Set up the group once with :func:`init_tensor_parallel` (under torchrun, inside an initialised
+torch.distributed, or in a single process), or pass ``tp_group=`` to each layer. Every parameter carries
+``param.weight_loader(param, loaded_weight, loaded_shard_id=None)`` that copies this rank's shard of a
+full checkpoint tensor (a ``torch.Tensor`` or a lazy handle that reads only the slices asked for).
+"""
+
+from .cross_qkv import QKVCrossParallelLinear
+from .linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from .mappings import copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region, scatter_to_tp_region
+from .state import (
+    TPGroup,
+    destroy_tensor_parallel,
+    get_tp_group,
+    get_tp_rank,
+    get_tp_size,
+    init_tensor_parallel,
+)
+from .vocab_embedding import ParallelLMHead, VocabParallelEmbedding, pad_vocab_size
+
+__all__ = [
+    "ColumnParallelLinear",
+    "MergedColumnParallelLinear",
+    "ParallelLMHead",
+    "QKVCrossParallelLinear",
+    "QKVParallelLinear",
+    "ReplicatedLinear",
+    "RowParallelLinear",
+    "TPGroup",
+    "VocabParallelEmbedding",
+    "copy_to_tp_region",
+    "destroy_tensor_parallel",
+    "gather_from_tp_region",
+    "get_tp_group",
+    "get_tp_rank",
+    "get_tp_size",
+    "init_tensor_parallel",
+    "pad_vocab_size",
+    "reduce_from_tp_region",
+    "scatter_to_tp_region",
+]

@@ -1,0 +1,73 @@
+"""What every weight loader does: check the checkpoint tensor, read only this rank's part, copy it in.
+
+A loaded weight is a ``torch.Tensor`` or a lazy handle (``tpkit.loaders``); only ``.shape`` and
+``.narrow(dim, start, length)`` are used, and ``narrow`` of a handle reads just those bytes, so a rank never
+materialises more of a checkpoint tensor than its shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+# (start in the parameter, start in the checkpoint tensor, length), all along one dimension
+Piece = tuple[int, int, int]
+
+
+def _shape_of(loaded_weight: object) -> tuple[int, ...]:
+    shape = getattr(loaded_weight, "shape", None)
+    try:
+        if not callable(getattr(loaded_weight, "narrow", None)):
+            raise TypeError
+        return tuple(int(size) for size in shape)
+    except TypeError:
+        raise TypeError("loaded_weight must be a torch.Tensor or a lazy tensor handle with .shape and "
+                        f".narrow, got {type(loaded_weight).__name__}") from None
+
+
+def _param_name(module: nn.Module, param: torch.Tensor, loaded_shard_id: object = None) -> str:
+    """``Layer.weight`` (with the shard id when there is one), for error messages."""
+    attr = next((name for name, p in module.named_parameters(recurse=False) if p is param), "parameter")
+    name = f"{type(module).__name__}.{attr}"
+    return name if loaded_shard_id is None else f"{name}[{loaded_shard_id!r}]"
+
+
+def _check_shape(name: str, loaded_weight: object, expected: Sequence[int]) -> None:
+    received = _shape_of(loaded_weight)
+    if received != tuple(expected):
+        raise ValueError(f"{name}: expected a checkpoint tensor of shape {tuple(expected)}, "
+                         f"received {received}")
+
+
+def _reject_shard_id(name: str, loaded_shard_id: object) -> None:
+    if loaded_shard_id is not None:
+        raise ValueError(f"{name} is not a stacked parameter: expected loaded_shard_id=None, "
+                         f"received {loaded_shard_id!r}")
+
+
+def _attach_weight_loaders(module: nn.Module) -> None:
+    """Gives each of the module's own parameters ``param.weight_loader`` = the module's loader.
+
+    Layers call it when built and again in ``__setstate__``: ``copy.deepcopy`` (and unpickling) make new
+    Parameters without the attribute.
+    """
+    for param in module.parameters(recurse=False):
+        param.weight_loader = module.weight_loader
+
+
+def _copy_pieces(param: torch.Tensor, loaded_weight: object, dim: int, pieces: Sequence[Piece]) -> None:
+    """Copies each piece of ``loaded_weight`` along ``dim`` into ``param``, casting to its dtype.
+
+    Every piece is read before the first is written, so a failing read leaves the parameter untouched.
+    """
+    sources = [loaded_weight.narrow(dim, src_start, length) for _, src_start, length in pieces if length]
+    with torch.no_grad():
+        for (dst_start, _, length), source in zip([p for p in pieces if p[2]], sources, strict=True):
+            param.narrow(dim, dst_start, length).copy_(source)
+
+
+def _copy_whole(param: torch.Tensor, loaded_weight: object) -> None:
+    """Copies an unsharded (replicated) tensor: the whole checkpoint tensor."""
+    _copy_pieces(param, loaded_weight, 0, [(0, 0, param.shape[0])])

@@ -1,0 +1,446 @@
+"""Linear layers sharded over a tensor-parallel group (Megatron / vLLM style).
+
+* :class:`ReplicatedLinear`: the whole matrix on every rank.
+* :class:`ColumnParallelLinear`: output features split; ``gather_output`` concatenates them again.
+* :class:`MergedColumnParallelLinear`: several column-parallel matrices in one (``gate_up_proj``), each
+  split on its own, so every rank holds its part of each.
+* :class:`QKVParallelLinear`: q, k and v of attention by heads; KV heads are replicated when there are
+  fewer of them than ranks.
+* :class:`RowParallelLinear`: input features split; partial results summed by one all-reduce.
+
+Forward is ``F.linear`` like ``nn.Linear``; with ``skip_bias_add=True`` it returns ``(output, bias)`` so the
+caller can fuse the bias into what follows. Weights are ``[output_size_per_partition,
+input_size_per_partition]``; every parameter carries ``param.weight_loader(param, loaded_weight,
+loaded_shard_id=None)`` that copies this rank's part of the full checkpoint tensor.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ._checks import _check_positive, _divide
+from ._init import _shard_seed, _uniform_
+from ._loading import (
+    Piece,
+    _attach_weight_loaders,
+    _check_shape,
+    _copy_pieces,
+    _copy_whole,
+    _param_name,
+    _reject_shard_id,
+)
+from .mappings import (
+    _reduce_from_tp_region_,
+    copy_to_tp_region,
+    gather_from_tp_region,
+    scatter_to_tp_region,
+)
+from .state import TPGroup, _resolve_tp_group
+
+_TPGroupArg = TPGroup | dist.ProcessGroup | None
+
+
+class _LinearBase(nn.Module):
+    """Parameters, defaults and the ``skip_bias_add`` convention shared by all linear layers.
+
+    Each layer defines ``reset_parameters`` (its default initialisation, run here) and ``weight_loader``
+    (attached here to every parameter, and again after a copy).
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        input_size_per_partition: int,
+        output_size_per_partition: int,
+        *,
+        bias: bool,
+        skip_bias_add: bool,
+        tp: TPGroup,
+        params_dtype: torch.dtype | None,
+        device: torch.device | str | None,
+    ) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.input_size_per_partition = input_size_per_partition
+        self.output_size_per_partition = output_size_per_partition
+        self.skip_bias_add = skip_bias_add
+        self.tp_group = tp
+        self.tp_rank = tp.rank
+        self.tp_size = tp.size
+        self.params_dtype = params_dtype or torch.get_default_dtype()
+        factory = {"dtype": self.params_dtype, "device": device}
+        # [output_size_per_partition, input_size_per_partition]
+        self.weight = nn.Parameter(
+            torch.empty(output_size_per_partition, input_size_per_partition, **factory))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size_per_partition, **factory))
+        else:
+            self.register_parameter("bias", None)
+        _attach_weight_loaders(self)
+        self.reset_parameters()
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        _attach_weight_loaders(self)
+
+    def _init_bound(self) -> float:
+        # nn.Linear's kaiming-uniform bound over the full fan-in, whatever this rank's share of it.
+        return 1.0 / math.sqrt(self.input_size)
+
+    def _with_bias(self, output: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        return (output, self.bias) if self.skip_bias_add else output
+
+    def extra_repr(self) -> str:
+        return (f"input_size={self.input_size}, output_size={self.output_size}, "
+                f"bias={self.bias is not None}, tp_size={self.tp_size}, weight={tuple(self.weight.shape)}")
+
+
+class ReplicatedLinear(_LinearBase):
+    """``nn.Linear`` with the weight loader protocol: the same full matrix on every rank."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        skip_bias_add: bool = False,
+        *,
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        tp_group: _TPGroupArg = None,
+    ) -> None:
+        _check_positive(input_size=input_size, output_size=output_size)
+        super().__init__(input_size, output_size, input_size, output_size, bias=bias,
+                         skip_bias_add=skip_bias_add, tp=_resolve_tp_group(tp_group),
+                         params_dtype=params_dtype, device=device)
+
+    def reset_parameters(self) -> None:
+        for param in (self.weight, self.bias):
+            if param is not None:
+                _uniform_(param, self._init_bound(), None)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      loaded_shard_id: int | str | None = None) -> None:
+        name = _param_name(self, param)
+        _reject_shard_id(name, loaded_shard_id)
+        _check_shape(name, loaded_weight, param.shape)
+        _copy_whole(param, loaded_weight)
+
+    def forward(self, input_: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        # [..., input_size] -> [..., output_size]
+        output = F.linear(input_, self.weight, None if self.skip_bias_add else self.bias)
+        return self._with_bias(output)
+
+
+class _ColumnParallelBase(_LinearBase):
+    """Output features split over the ranks: rank r computes its rows of ``x @ W.T``.
+
+    Subclasses say which rows of the full output a rank holds (:meth:`_row_pieces`); the forward, the
+    initialisation and the loading follow from that.
+    """
+
+    def __init__(self, input_size: int, output_size: int, output_size_per_partition: int, *, bias: bool,
+                 gather_output: bool, skip_bias_add: bool, tp: TPGroup, params_dtype: torch.dtype | None,
+                 device: torch.device | str | None) -> None:
+        self.gather_output = gather_output
+        super().__init__(input_size, output_size, input_size, output_size_per_partition, bias=bias,
+                         skip_bias_add=skip_bias_add, tp=tp, params_dtype=params_dtype, device=device)
+
+    def _row_pieces(self) -> list[tuple[int, int, int, int]]:
+        """(start in this rank's rows, start in the full output, length, block index) for each block of rows.
+
+        The block index names the block of the full matrix: the initialisation gives distinct blocks distinct
+        values and replicas of one block (a replicated KV head) the same.
+        """
+        rows = self.output_size_per_partition
+        return [(0, self.tp_rank * rows, rows, self.tp_rank)]
+
+    def reset_parameters(self) -> None:
+        bound = self._init_bound()
+        for param in (self.weight, self.bias):
+            if param is None:
+                continue
+            seed = _shard_seed(self.tp_group)
+            for dst_start, _, length, block in self._row_pieces():
+                _uniform_(param.narrow(0, dst_start, length), bound, None if seed is None else seed + block)
+
+    def _load_rows(self, param: nn.Parameter, loaded_weight: torch.Tensor, name: str, total_rows: int,
+                   pieces: list[Piece]) -> None:
+        _check_shape(name, loaded_weight, (total_rows, *param.shape[1:]))
+        _copy_pieces(param, loaded_weight, 0, pieces)
+
+    def forward(self, input_: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        # [..., input_size] -> [..., output_size_per_partition] (or [..., output_size] with gather_output)
+        if self.tp_size > 1:
+            input_ = copy_to_tp_region(input_, self.tp_group)
+        output = F.linear(input_, self.weight, None if self.skip_bias_add else self.bias)
+        if not (self.gather_output and self.tp_size > 1):
+            return self._with_bias(output)
+        output = gather_from_tp_region(output, self.tp_group)
+        if self.skip_bias_add and self.bias is not None:
+            return output, gather_from_tp_region(self.bias, self.tp_group)
+        return self._with_bias(output)
+
+
+class ColumnParallelLinear(_ColumnParallelBase):
+    """``Y = X W^T + b`` with W's rows (output features) split: rank r holds rows ``[r * n, (r + 1) * n)``.
+
+    The output is this rank's ``[..., output_size / tp_size]``, or the full ``[..., output_size]`` with
+    ``gather_output=True``. With ``skip_bias_add`` the returned bias matches the output (gathered too).
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        gather_output: bool = False,
+        skip_bias_add: bool = False,
+        *,
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        tp_group: _TPGroupArg = None,
+    ) -> None:
+        _check_positive(input_size=input_size, output_size=output_size)
+        tp = _resolve_tp_group(tp_group)
+        super().__init__(input_size, output_size, _divide(output_size, tp.size, "output_size"), bias=bias,
+                         gather_output=gather_output, skip_bias_add=skip_bias_add, tp=tp,
+                         params_dtype=params_dtype, device=device)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      loaded_shard_id: int | str | None = None) -> None:
+        name = _param_name(self, param)
+        _reject_shard_id(name, loaded_shard_id)
+        pieces = [(dst, src, length) for dst, src, length, _ in self._row_pieces()]
+        self._load_rows(param, loaded_weight, name, self.output_size, pieces)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel matrices stacked, each split on its own (e.g. ``gate_up_proj``).
+
+    For ``output_sizes=[a, b]`` rank r holds rows ``[r * a/tp, (r+1) * a/tp)`` of the first and the same
+    share of the second, so its output is ``[..., a/tp + b/tp]`` = its part of each. ``weight_loader``
+    takes ``loaded_shard_id`` = the index into ``output_sizes``, or None for a checkpoint tensor that
+    already stacks them all.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = True,
+        gather_output: bool = False,
+        skip_bias_add: bool = False,
+        *,
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        tp_group: _TPGroupArg = None,
+    ) -> None:
+        if not output_sizes:
+            raise ValueError("output_sizes must list at least one size, got an empty list")
+        _check_positive(**{f"output_sizes[{i}]": size for i, size in enumerate(output_sizes)})
+        tp = _resolve_tp_group(tp_group)
+        for i, size in enumerate(output_sizes):
+            _divide(size, tp.size, f"output_sizes[{i}]")
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(output_sizes), bias=bias, gather_output=gather_output,
+                         skip_bias_add=skip_bias_add, params_dtype=params_dtype, device=device, tp_group=tp)
+
+    def _shard_pieces(self, index: int) -> tuple[int, int, int]:
+        """(start in this rank's rows, start in the full output, length) of matrix ``index``'s share."""
+        local = [size // self.tp_size for size in self.output_sizes]
+        return sum(local[:index]), sum(self.output_sizes[:index]) + self.tp_rank * local[index], local[index]
+
+    def _row_pieces(self) -> list[tuple[int, int, int, int]]:
+        return [(*self._shard_pieces(i), i * self.tp_size + self.tp_rank)
+                for i in range(len(self.output_sizes))]
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      loaded_shard_id: int | str | None = None) -> None:
+        name = _param_name(self, param, loaded_shard_id)
+        if loaded_shard_id is None:
+            pieces = [self._shard_pieces(i) for i in range(len(self.output_sizes))]
+            self._load_rows(param, loaded_weight, name, self.output_size, pieces)
+            return
+        if (isinstance(loaded_shard_id, bool) or not isinstance(loaded_shard_id, int)
+                or not 0 <= loaded_shard_id < len(self.output_sizes)):
+            raise ValueError(f"{name}: loaded_shard_id must be an index into output_sizes "
+                             f"(0..{len(self.output_sizes) - 1}) or None, received {loaded_shard_id!r}")
+        dst_start, full_start, length = self._shard_pieces(loaded_shard_id)
+        src_start = full_start - sum(self.output_sizes[:loaded_shard_id])
+        self._load_rows(param, loaded_weight, name, self.output_sizes[loaded_shard_id],
+                        [(dst_start, src_start, length)])
+
+
+class QKVParallelLinear(_ColumnParallelBase):
+    """q, k and v projections of attention in one matrix, split by heads.
+
+    Rank r holds query heads ``[r * num_heads, (r + 1) * num_heads)``. KV heads are split the same way when
+    ``total_num_kv_heads`` divides by ``tp_size``; when instead ``tp_size`` divides by it (MQA/GQA at high
+    TP), each rank holds one KV head, ``r // (tp_size // total_num_kv_heads)``: the one its query heads use.
+    The output is ``[..., q_size + 2 * kv_size]`` = this rank's q, k, v, in that order.
+
+    ``weight_loader`` takes ``loaded_shard_id`` "q", "k" or "v" with the checkpoint's q_proj, k_proj,
+    v_proj, or None with a tensor that stores them fused in that order (GPT-BigCode's ``c_attn``).
+
+    A replicated KV head's weight gradient on a rank covers only that rank's query heads' use of it; the
+    replicas' gradients sum to the full one (an all-reduce over them, for training).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        total_num_heads: int,
+        total_num_kv_heads: int | None = None,
+        bias: bool = True,
+        skip_bias_add: bool = False,
+        *,
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        tp_group: _TPGroupArg = None,
+    ) -> None:
+        total_num_kv_heads = total_num_heads if total_num_kv_heads is None else total_num_kv_heads
+        _check_positive(hidden_size=hidden_size, head_size=head_size, total_num_heads=total_num_heads,
+                        total_num_kv_heads=total_num_kv_heads)
+        if total_num_heads % total_num_kv_heads:
+            raise ValueError(f"total_num_heads={total_num_heads} must be a multiple of "
+                             f"total_num_kv_heads={total_num_kv_heads}")
+        tp = _resolve_tp_group(tp_group)
+        self.hidden_size = hidden_size
+        self.head_size = head_size
+        self.total_num_heads = total_num_heads
+        self.total_num_kv_heads = total_num_kv_heads
+        self.num_heads = _divide(total_num_heads, tp.size, "total_num_heads")
+        if total_num_kv_heads % tp.size == 0:
+            self.num_kv_heads = total_num_kv_heads // tp.size
+            self.num_kv_head_replicas = 1
+        elif tp.size % total_num_kv_heads == 0:
+            self.num_kv_heads = 1
+            self.num_kv_head_replicas = tp.size // total_num_kv_heads
+        else:
+            raise ValueError(f"total_num_kv_heads={total_num_kv_heads} and tp_size={tp.size}: one must "
+                             "divide the other to split or replicate the KV heads")
+        self.q_size = self.num_heads * head_size
+        self.kv_size = self.num_kv_heads * head_size
+        output_size = (total_num_heads + 2 * total_num_kv_heads) * head_size
+        super().__init__(hidden_size, output_size, self.q_size + 2 * self.kv_size, bias=bias,
+                         gather_output=False, skip_bias_add=skip_bias_add, tp=tp,
+                         params_dtype=params_dtype, device=device)
+
+    def _qkv_piece(self, shard: str) -> tuple[int, int, int, int]:
+        """(start in this rank's rows, start in the q/k/v checkpoint tensor, length, offset when fused)."""
+        total_q = self.total_num_heads * self.head_size
+        total_kv = self.total_num_kv_heads * self.head_size
+        if shard == "q":
+            return 0, self.tp_rank * self.q_size, self.q_size, 0
+        kv_rank = self.tp_rank // self.num_kv_head_replicas
+        if shard == "k":
+            return self.q_size, kv_rank * self.kv_size, self.kv_size, total_q
+        return self.q_size + self.kv_size, kv_rank * self.kv_size, self.kv_size, total_q + total_kv
+
+    def _row_pieces(self) -> list[tuple[int, int, int, int]]:
+        kv_rank = self.tp_rank // self.num_kv_head_replicas
+        # Replicas of one KV head are one block of the full matrix.
+        blocks = {"q": self.tp_rank, "k": self.tp_size + kv_rank, "v": 2 * self.tp_size + kv_rank}
+        pieces = []
+        for shard, block in blocks.items():
+            dst, src, length, fused_start = self._qkv_piece(shard)
+            pieces.append((dst, fused_start + src, length, block))
+        return pieces
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      loaded_shard_id: int | str | None = None) -> None:
+        name = _param_name(self, param, loaded_shard_id)
+        if loaded_shard_id is None:
+            pieces = [(dst, src, length) for dst, src, length, _ in self._row_pieces()]
+            self._load_rows(param, loaded_weight, name, self.output_size, pieces)
+            return
+        if loaded_shard_id not in ("q", "k", "v"):
+            raise ValueError(f"{name}: loaded_shard_id must be 'q', 'k', 'v' or None, "
+                             f"received {loaded_shard_id!r}")
+        dst, src, length, _ = self._qkv_piece(loaded_shard_id)
+        heads = self.total_num_heads if loaded_shard_id == "q" else self.total_num_kv_heads
+        self._load_rows(param, loaded_weight, name, heads * self.head_size, [(dst, src, length)])
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, head_size={self.head_size}, "
+                f"total_num_heads={self.total_num_heads}, total_num_kv_heads={self.total_num_kv_heads}, "
+                f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+                f"bias={self.bias is not None}, tp_size={self.tp_size}")
+
+
+class RowParallelLinear(_LinearBase):
+    """``Y = X W^T + b`` with W's columns (input features) split: rank r holds ``[r * n, (r + 1) * n)``.
+
+    The input is this rank's ``[..., input_size / tp_size]`` (``input_is_parallel=True``, e.g. the output of
+    a column-parallel layer), or the full input, which is then split. Partial products are summed with one
+    all-reduce and the bias is added once, after it. With ``reduce_results=False`` the caller sums them
+    (it must, to get the layer's output): tp rank 0 adds the bias so the sum holds it once, and the other
+    ranks add a zero that carries its gradient, so every rank's copy of the bias gets the same gradient.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        reduce_results: bool = True,
+        skip_bias_add: bool = False,
+        *,
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        tp_group: _TPGroupArg = None,
+    ) -> None:
+        _check_positive(input_size=input_size, output_size=output_size)
+        tp = _resolve_tp_group(tp_group)
+        self.input_is_parallel = input_is_parallel
+        self.reduce_results = reduce_results
+        super().__init__(input_size, output_size, _divide(input_size, tp.size, "input_size"), output_size,
+                         bias=bias, skip_bias_add=skip_bias_add, tp=tp, params_dtype=params_dtype,
+                         device=device)
+
+    def reset_parameters(self) -> None:
+        seed = _shard_seed(self.tp_group)
+        _uniform_(self.weight, self._init_bound(), None if seed is None else seed + self.tp_rank)
+        if self.bias is not None:
+            _uniform_(self.bias, self._init_bound(), None)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      loaded_shard_id: int | str | None = None) -> None:
+        name = _param_name(self, param)
+        _reject_shard_id(name, loaded_shard_id)
+        if param.dim() == 1:  # the bias, replicated
+            _check_shape(name, loaded_weight, param.shape)
+            _copy_whole(param, loaded_weight)
+            return
+        _check_shape(name, loaded_weight, (self.output_size, self.input_size))
+        columns = self.input_size_per_partition
+        _copy_pieces(param, loaded_weight, 1, [(0, self.tp_rank * columns, columns)])
+
+    def forward(self, input_: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        # [..., input_size_per_partition] (or [..., input_size]) -> [..., output_size]
+        add_bias = self.bias is not None and not self.skip_bias_add
+        if self.tp_size == 1:
+            return self._with_bias(F.linear(input_, self.weight, self.bias if add_bias else None))
+        if not self.input_is_parallel:
+            input_ = scatter_to_tp_region(input_, self.tp_group)
+        output = F.linear(input_, self.weight)
+        if self.reduce_results:
+            output = _reduce_from_tp_region_(output, self.tp_group)
+            if add_bias:
+                output = output.add_(self.bias)
+        elif add_bias:
+            if self.tp_rank == 0:
+                output = output.add_(self.bias)
+            elif torch.is_grad_enabled() and self.bias.requires_grad:
+                output = output.add_(self.bias - self.bias.detach())
+        return self._with_bias(output)

@@ -1,0 +1,137 @@
+"""Collectives between tensor-parallel ranks as autograd functions (Megatron's mappings).
+
+Each has a forward collective and the backward that makes gradients right:
+
+=======================  ==================================  ==============================
+function                 forward                             backward
+=======================  ==================================  ==============================
+copy_to_tp_region        identity                            all-reduce
+reduce_from_tp_region    all-reduce                          identity
+gather_from_tp_region    all-gather along the last dim       keep this rank's chunk
+scatter_to_tp_region     keep this rank's chunk (last dim)   all-gather along the last dim
+=======================  ==================================  ==============================
+
+With ``tp_size`` 1 each returns its input unchanged and communicates nothing. ``tp_group`` is a
+:class:`TPGroup`, a ``ProcessGroup`` or None (the group of ``init_tensor_parallel``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .state import TPGroup, _resolve_tp_group
+
+# torch 2.13 renamed all_gather_into_tensor (deprecated there); 2.11 has only the old name.
+_all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _all_reduce(tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """Sums ``tensor`` over the group in place; ``tensor`` must be contiguous and owned by the caller."""
+    dist.all_reduce(tensor, group=tp.group)
+    return tensor
+
+
+def _all_gather_last_dim(tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    # [..., n] on each rank -> [..., tp_size * n], rank r's chunk at [r * n, (r + 1) * n)
+    tensor = tensor.contiguous()
+    stacked = tensor.new_empty((tp.size, *tensor.shape))  # [tp_size, ..., n]
+    if tp.backend == "gloo":
+        # Some gloo builds lack the single-tensor all-gather: gather into views of the same buffer.
+        dist.all_gather(list(stacked.unbind(0)), tensor, group=tp.group)
+    else:
+        _all_gather_into(stacked, tensor, group=tp.group)
+    return stacked.movedim(0, -2).reshape(*tensor.shape[:-1], tp.size * tensor.shape[-1])
+
+
+def _split_last_dim(tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    last = tensor.shape[-1]
+    if last % tp.size:
+        raise ValueError(f"the last dimension ({last}) must divide by tp_size={tp.size} to scatter it")
+    chunk = last // tp.size
+    return tensor.narrow(-1, tp.rank * chunk, chunk).contiguous()
+
+
+class _CopyToTPRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input_: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+        ctx.tp = tp
+        return input_.view_as(input_)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+        # The incoming gradient may be shared (retain_grad, hooks): reduce a copy.
+        grad = grad_output.clone(memory_format=torch.contiguous_format)
+        return _all_reduce(grad, ctx.tp), None
+
+
+class _ReduceFromTPRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input_: torch.Tensor, tp: TPGroup, inplace: bool) -> torch.Tensor:
+        if inplace and input_.is_contiguous():
+            ctx.mark_dirty(input_)
+            return _all_reduce(input_, tp)
+        return _all_reduce(input_.clone(memory_format=torch.contiguous_format), tp)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad_output, None, None
+
+
+class _GatherFromTPRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input_: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+        ctx.tp = tp
+        return _all_gather_last_dim(input_, tp)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _split_last_dim(grad_output, ctx.tp), None
+
+
+class _ScatterToTPRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input_: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+        ctx.tp = tp
+        return _split_last_dim(input_, tp)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_gather_last_dim(grad_output, ctx.tp), None
+
+
+def copy_to_tp_region(
+    input_: torch.Tensor, tp_group: TPGroup | dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Identity forward; backward all-reduces the gradient (the input feeds every rank's shard)."""
+    tp = _resolve_tp_group(tp_group)
+    return input_ if tp.size == 1 else _CopyToTPRegion.apply(input_, tp)
+
+
+def reduce_from_tp_region(
+    input_: torch.Tensor, tp_group: TPGroup | dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """All-reduces (sums) partial results over the group into a new tensor; backward is the identity."""
+    tp = _resolve_tp_group(tp_group)
+    return input_ if tp.size == 1 else _ReduceFromTPRegion.apply(input_, tp, False)
+
+
+def _reduce_from_tp_region_(input_: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """:func:`reduce_from_tp_region` in place, for a fresh tensor the caller owns (a layer's output)."""
+    return input_ if tp.size == 1 else _ReduceFromTPRegion.apply(input_, tp, True)
+
+
+def gather_from_tp_region(
+    input_: torch.Tensor, tp_group: TPGroup | dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Concatenates every rank's ``[..., n]`` along the last dim, in rank order: ``[..., tp_size * n]``."""
+    tp = _resolve_tp_group(tp_group)
+    return input_ if tp.size == 1 else _GatherFromTPRegion.apply(input_, tp)
+
+
+def scatter_to_tp_region(
+    input_: torch.Tensor, tp_group: TPGroup | dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Keeps this rank's chunk of the last dim, ``[..., n]`` -> ``[..., n / tp_size]``."""
+    tp = _resolve_tp_group(tp_group)
+    return input_ if tp.size == 1 else _ScatterToTPRegion.apply(input_, tp)

@@ -1,0 +1,185 @@
+"""Embedding and LM head sharded by vocabulary rows over a tensor-parallel group.
+
+The vocabulary is padded to the smallest multiple of ``padding_size`` that splits evenly over ``tp_size``
+(efficient shapes, equal shards); rank r holds rows ``[r * n, (r + 1) * n)`` of the padded vocabulary and the
+padding rows stay zero. The embedding looks up the ids that fall in its rows, zeroes the others, and one
+all-reduce sums the ranks' lookups. The LM head computes logits for its rows and gathers them, so every
+rank gets the full vocabulary's logits with the padding cut off.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ._checks import _check_positive
+from ._init import _normal_, _shard_seed, _uniform_
+from ._loading import _attach_weight_loaders, _check_shape, _copy_pieces, _param_name, _reject_shard_id
+from .mappings import _reduce_from_tp_region_, copy_to_tp_region, gather_from_tp_region
+from .state import TPGroup, _resolve_tp_group
+
+
+def pad_vocab_size(num_embeddings: int, padding_size: int, tp_size: int = 1) -> int:
+    """The smallest multiple of ``padding_size`` that holds ``num_embeddings`` and divides by tp_size."""
+    multiple = padding_size * tp_size // math.gcd(padding_size, tp_size)
+    return -(-num_embeddings // multiple) * multiple
+
+
+class _VocabParallelBase(nn.Module):
+    """Vocabulary rows split over the ranks: the sharding, the parameters and their loader.
+
+    ``weight`` is ``[num_embeddings_per_partition, embedding_dim]``: rows ``[vocab_start_index,
+    vocab_end_index)`` of the padded vocabulary, of which the first ``num_real_rows`` are real. Its
+    ``weight_loader`` (and the bias's) takes the checkpoint's ``[num_embeddings, ...]`` tensor and reads
+    only this rank's rows. Each layer defines ``reset_parameters`` (run here).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_size: int, *, bias: bool,
+                 params_dtype: torch.dtype | None, device: torch.device | str | None,
+                 tp_group: TPGroup | dist.ProcessGroup | None) -> None:
+        super().__init__()
+        _check_positive(num_embeddings=num_embeddings, embedding_dim=embedding_dim, padding_size=padding_size)
+        tp = _resolve_tp_group(tp_group)
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.padding_size = padding_size
+        self.tp_group = tp
+        self.tp_rank = tp.rank
+        self.tp_size = tp.size
+        self.params_dtype = params_dtype or torch.get_default_dtype()
+        self.num_embeddings_padded = pad_vocab_size(num_embeddings, padding_size, tp.size)
+        self.num_embeddings_per_partition = self.num_embeddings_padded // tp.size
+        self.vocab_start_index = tp.rank * self.num_embeddings_per_partition
+        self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
+        # Rows of this shard that are real vocabulary; the rest is padding (a trailing rank may hold none).
+        self.num_real_rows = max(0, min(self.vocab_end_index, num_embeddings) - self.vocab_start_index)
+        factory = {"dtype": self.params_dtype, "device": device}
+        # [num_embeddings_per_partition, embedding_dim]
+        self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim, **factory))
+        if bias:
+            # [num_embeddings_per_partition]
+            self.bias = nn.Parameter(torch.empty(self.num_embeddings_per_partition, **factory))
+        else:
+            self.register_parameter("bias", None)
+        _attach_weight_loaders(self)
+        self.reset_parameters()
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        _attach_weight_loaders(self)
+
+    def _zero_padding(self, param: torch.Tensor) -> None:
+        with torch.no_grad():
+            param[self.num_real_rows:].zero_()
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      loaded_shard_id: int | str | None = None) -> None:
+        """Copies rows ``[vocab_start_index, vocab_end_index)`` of the ``[num_embeddings, ...]`` tensor."""
+        name = _param_name(self, param)
+        _reject_shard_id(name, loaded_shard_id)
+        _check_shape(name, loaded_weight, (self.num_embeddings, *param.shape[1:]))
+        _copy_pieces(param, loaded_weight, 0, [(0, self.vocab_start_index, self.num_real_rows)])
+        self._zero_padding(param)
+
+    def extra_repr(self) -> str:
+        return (f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, "
+                f"num_embeddings_padded={self.num_embeddings_padded}, tp_size={self.tp_size}, "
+                f"rows=[{self.vocab_start_index}, {self.vocab_end_index})")
+
+
+class VocabParallelEmbedding(_VocabParallelBase):
+    """``nn.Embedding`` with the vocabulary rows split over the ranks (ids expected in
+    ``[0, num_embeddings)``): each rank looks up the ids in its rows, zeroes the rest, one all-reduce."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_size: int = 64,
+        *,
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        tp_group: TPGroup | dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__(num_embeddings, embedding_dim, padding_size, bias=False, params_dtype=params_dtype,
+                         device=device, tp_group=tp_group)
+
+    def reset_parameters(self) -> None:
+        # nn.Embedding's N(0, 1)
+        seed = _shard_seed(self.tp_group)
+        _normal_(self.weight, None if seed is None else seed + self.tp_rank)
+        self._zero_padding(self.weight)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # [...] int -> [..., embedding_dim]
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
+        local_ids = (input_ids - self.vocab_start_index).masked_fill_(outside, 0)
+        output = F.embedding(local_ids, self.weight)
+        output.masked_fill_(outside.unsqueeze(-1), 0)
+        return _reduce_from_tp_region_(output, self.tp_group)
+
+
+class ParallelLMHead(_VocabParallelBase):
+    """The output projection to vocabulary logits, sharded like :class:`VocabParallelEmbedding`.
+
+    :meth:`compute_logits` (also ``forward``) returns ``[..., num_embeddings]`` logits on every rank.
+    :meth:`tie_weights` shares the embedding's weight Parameter (models with tied embeddings); loading the
+    embedding then loads the head. The optional bias is sharded and padded like the weight's rows.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        bias: bool = False,
+        padding_size: int = 64,
+        *,
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        tp_group: TPGroup | dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__(num_embeddings, embedding_dim, padding_size, bias=bias, params_dtype=params_dtype,
+                         device=device, tp_group=tp_group)
+
+    def reset_parameters(self) -> None:
+        # An untied head is a linear layer: nn.Linear's bound over its fan-in.
+        bound = 1.0 / math.sqrt(self.embedding_dim)
+        for param in (self.weight, self.bias):
+            if param is not None:
+                seed = _shard_seed(self.tp_group)
+                _uniform_(param, bound, None if seed is None else seed + self.tp_rank)
+                self._zero_padding(param)
+
+    def tie_weights(self, embedding: VocabParallelEmbedding) -> ParallelLMHead:
+        """Makes this head use ``embedding.weight`` (the same Parameter); returns self."""
+        if not isinstance(embedding, VocabParallelEmbedding):
+            raise TypeError(f"tie_weights takes a VocabParallelEmbedding, got {type(embedding).__name__}")
+        mine = (self.num_embeddings, self.num_embeddings_padded, self.embedding_dim, self.tp_size,
+                self.tp_rank)
+        theirs = (embedding.num_embeddings, embedding.num_embeddings_padded, embedding.embedding_dim,
+                  embedding.tp_size, embedding.tp_rank)
+        if mine != theirs:
+            raise ValueError("tie_weights needs the same sharding (num_embeddings, num_embeddings_padded, "
+                             f"embedding_dim, tp_size, tp_rank): head {mine}, embedding {theirs}")
+        self.weight = embedding.weight
+        return self
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        # [..., embedding_dim] -> [..., num_embeddings]
+        if self.tp_size > 1:
+            hidden_states = copy_to_tp_region(hidden_states, self.tp_group)
+        logits = F.linear(hidden_states, self.weight, self.bias)  # [..., num_embeddings_per_partition]
+        if self.tp_size > 1:
+            logits = gather_from_tp_region(logits, self.tp_group)  # [..., num_embeddings_padded]
+        if self.num_embeddings_padded != self.num_embeddings:
+            logits = logits[..., : self.num_embeddings]
+        return logits
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.compute_logits(hidden_states)
