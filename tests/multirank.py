@@ -132,12 +132,13 @@ class _Pool:
 
 
 class Ranks:
-    """``ranks.run(world_size, fn, *args, **kwargs)`` runs ``fn`` on every rank; returns each rank's result."""
+    """``ranks.run(world_size, fn, *args, **kwargs)`` runs ``fn`` on every rank; returns their results."""
 
     def __init__(self) -> None:
         self._pools: dict[int, _Pool] = {}
 
-    def run(self, world_size: int, fn: Callable, *args: Any, timeout: float = 120, **kwargs: Any) -> list[Any]:
+    def run(self, world_size: int, fn: Callable, *args: Any, timeout: float = 120,
+            **kwargs: Any) -> list[Any]:
         if under_torchrun():
             launched = int(os.environ["WORLD_SIZE"])
             if world_size != launched:
