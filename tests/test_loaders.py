@@ -1,0 +1,510 @@
+"""tpkit.loaders on checkpoints made here with transformers: lazy reads, names, strictness, bad files."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoints import make_bart_checkpoint, make_gpt_bigcode_checkpoint, make_llama_checkpoint
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import BartForConditionalGeneration, GPTBigCodeForCausalLM, LlamaForCausalLM
+
+from tpkit.loaders import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    LazyTensor,
+    WeightsMismatchError,
+    bytes_read,
+    default_weight_loader,
+    iter_weights,
+    load_weights,
+    reset_bytes_read,
+)
+from tpkit.parallel_layers import ColumnParallelLinear
+
+HF_CLASSES = {"llama": LlamaForCausalLM, "llama_sharded": LlamaForCausalLM, "llama_tied": LlamaForCausalLM,
+              "gpt_bigcode": GPTBigCodeForCausalLM, "bart": BartForConditionalGeneration}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, nn.Module]]:
+    root = tmp_path_factory.mktemp("checkpoints")
+    made = {
+        "llama": make_llama_checkpoint(root / "llama"),
+        "llama_sharded": make_llama_checkpoint(root / "llama_sharded", max_shard_size="100KB",
+                                               attention_bias=True, seed=1),
+        "llama_tied": make_llama_checkpoint(root / "llama_tied", tie_word_embeddings=True, seed=2),
+        "gpt_bigcode": make_gpt_bigcode_checkpoint(root / "gpt_bigcode"),
+        "bart": make_bart_checkpoint(root / "bart"),
+    }
+    return {name: (root / name, model) for name, model in made.items()}
+
+
+def _reference_tensors(path: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors
+
+
+def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: t.detach().clone() for name, t in model.state_dict().items()}
+
+
+def _assert_unchanged(model: nn.Module, before: dict[str, torch.Tensor]) -> None:
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, before[name]), f"{name} was written"
+
+
+# --- iter_weights and LazyTensor ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["llama", "llama_sharded", "gpt_bigcode", "bart"])
+def test_iter_weights_yields_every_tensor(checkpoints, name):
+    path, _ = checkpoints[name]
+    reference = _reference_tensors(path)
+    weights = dict(iter_weights(path))
+    assert weights.keys() == reference.keys()
+    for key, handle in weights.items():
+        assert isinstance(handle, LazyTensor)
+        assert handle.shape == reference[key].shape and handle.dtype == reference[key].dtype
+        assert torch.equal(handle[:], reference[key])
+    if name == "llama_sharded":
+        assert len({h.file for h in weights.values()}) > 2
+        assert (path / "model.safetensors.index.json").is_file()
+
+
+def test_lazy_tensor_reads_only_the_slices_asked_for(checkpoints):
+    path, _ = checkpoints["llama"]
+    weights = dict(iter_weights(path))
+    handle = weights["model.layers.0.mlp.down_proj.weight"]  # [64, 128] float32
+    full = load_file(path / "model.safetensors")["model.layers.0.mlp.down_proj.weight"]
+    assert handle.shape == torch.Size([64, 128]) and handle.dtype == torch.float32
+    assert handle.ndim == 2 and handle.size(1) == 128 and handle.numel() == 64 * 128 and len(handle) == 64
+    reset_bytes_read()
+    assert bytes_read() == 0
+    cases = [
+        (lambda t: t[8:24], full[8:24]),
+        (lambda t: t[:, 32:96], full[:, 32:96]),
+        (lambda t: t.narrow(0, 16, 16), full.narrow(0, 16, 16)),
+        (lambda t: t.narrow(1, 64, 64), full.narrow(1, 64, 64)),
+        (lambda t: t.narrow(-1, -32, 32), full.narrow(-1, -32, 32)),
+        (lambda t: t[5], full[5]),
+        (lambda t: t[:], full),
+        (lambda t: t[...], full),
+    ]
+    for take, expected in cases:
+        before = bytes_read()
+        got = take(handle)
+        assert isinstance(got, torch.Tensor) and torch.equal(got, expected)
+        assert bytes_read() - before == expected.numel() * 4
+    norm = weights["model.norm.weight"]
+    assert torch.equal(norm[...], load_file(path / "model.safetensors")["model.norm.weight"])
+
+
+def test_lazy_tensor_narrow_out_of_range(checkpoints):
+    handle = dict(iter_weights(checkpoints["llama"][0]))["model.layers.0.mlp.down_proj.weight"]
+    with pytest.raises(ValueError, match=r"narrow\(dim=1, start=100, length=64\).*down_proj.*\(64, 128\)"):
+        handle.narrow(1, 100, 64)
+    with pytest.raises(IndexError, match="dim 2 is out of range"):
+        handle.narrow(2, 0, 1)
+
+
+def test_views_outlive_the_handle(checkpoints):
+    path, _ = checkpoints["llama"]
+    part = dict(iter_weights(path))["model.embed_tokens.weight"][10:20]
+    # The memory map lives as long as the view, whatever happened to the handle.
+    expected = load_file(path / "model.safetensors")["model.embed_tokens.weight"][10:20]
+    assert torch.equal(part.clone(), expected)
+
+
+# --- load_weights into transformers models (default_weight_loader everywhere) ------------------------------
+
+@pytest.mark.parametrize("name", list(HF_CLASSES))
+def test_load_weights_into_transformers_model(checkpoints, name):
+    path, reference = checkpoints[name]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(123)
+        model = HF_CLASSES[name](reference.config)
+    loaded = load_weights(model, iter_weights(path), progress=False)
+    assert set(dict(model.named_parameters(remove_duplicate=False))) <= loaded
+    expected = reference.state_dict()
+    for key, value in model.state_dict().items():
+        if key in loaded:
+            assert torch.equal(value, expected[key]), key
+
+
+def test_tied_lm_head_in_checkpoint_is_not_unexpected(checkpoints):
+    path, reference = checkpoints["llama_tied"]
+    weights = list(iter_weights(path))
+    assert "lm_head.weight" not in dict(weights)
+    embed = dict(weights)["model.embed_tokens.weight"]
+    model = LlamaForCausalLM(reference.config)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    # Some checkpoints store the tied head as well: loading it again adds nothing and is no error.
+    loaded = load_weights(model, [("lm_head.weight", embed[:] * 1), *weights], progress=False)
+    assert {"lm_head.weight", "model.embed_tokens.weight"} <= loaded
+    assert torch.equal(model.lm_head.weight, reference.lm_head.weight)
+
+
+def test_untied_model_misses_lm_head_of_tied_checkpoint(checkpoints):
+    path, reference = checkpoints["llama_tied"]
+    config = reference.config.__class__(**{**reference.config.to_dict(), "tie_word_embeddings": False})
+    model = LlamaForCausalLM(config)
+    with pytest.raises(WeightsMismatchError) as info:
+        load_weights(model, iter_weights(path), progress=False)
+    assert info.value.missing == ["lm_head.weight"] and info.value.unexpected == []
+
+
+# --- name matching ------------------------------------------------------------------------------------------
+
+class _Stacked(nn.Module):
+    """q, k and v rows stacked in one parameter; ``weight_loader`` places a shard by its id."""
+
+    def __init__(self, rows: dict[str, int], cols: int) -> None:
+        super().__init__()
+        self.rows = rows
+        self.weight = nn.Parameter(torch.zeros(sum(rows.values()), cols))
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id: str) -> None:
+        start = sum(n for s, n in self.rows.items() if s < loaded_shard_id)
+        expected = (self.rows[loaded_shard_id], param.shape[1])
+        if tuple(loaded_weight.shape) != expected:
+            raise ValueError(f"shard {loaded_shard_id!r}: expected {expected}, "
+                             f"received {tuple(loaded_weight.shape)}")
+        param.narrow(0, start, expected[0]).copy_(loaded_weight[:])
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv_proj = _Stacked({"k": 2, "q": 4, "v": 2}, 3)  # stacked from q_proj, k_proj, v_proj
+        self.xq_proj = nn.Linear(3, 5, bias=False)  # "q_proj" is a substring, not a component
+        self.v_proj_gate = nn.Linear(3, 2, bias=False)  # likewise "v_proj"
+
+
+class _Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = _Block()
+        self.fused = nn.Module()
+        self.fused.qkv_proj = nn.Linear(3, 8, bias=False)  # stored fused: "kv_proj"/"v_proj" are substrings
+        self.cross = nn.Module()
+        self.cross.q_proj = nn.Linear(3, 4, bias=False)  # not stacked: the mapping must fall through
+
+
+QKV_MAPPING = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"))
+
+
+def _name_matching_checkpoint() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    shapes = {"attn.q_proj.weight": (4, 3), "attn.k_proj.weight": (2, 3), "attn.v_proj.weight": (2, 3),
+              "attn.xq_proj.weight": (5, 3), "attn.v_proj_gate.weight": (2, 3),
+              "fused.qkv_proj.weight": (8, 3), "cross.q_proj.weight": (4, 3)}
+    return {name: torch.randn(shape, generator=g) for name, shape in shapes.items()}
+
+
+def test_names_match_by_whole_components():
+    tensors = _name_matching_checkpoint()
+    model = _Model()
+    loaded = load_weights(model, list(tensors.items()), QKV_MAPPING, progress=False)
+    assert loaded == {name for name, _ in model.named_parameters()}
+    qkv = model.attn.qkv_proj.weight
+    assert torch.equal(qkv[:2], tensors["attn.k_proj.weight"])
+    assert torch.equal(qkv[2:6], tensors["attn.q_proj.weight"])
+    assert torch.equal(qkv[6:], tensors["attn.v_proj.weight"])
+    for name in ("attn.xq_proj.weight", "attn.v_proj_gate.weight", "fused.qkv_proj.weight",
+                 "cross.q_proj.weight"):
+        assert torch.equal(model.get_parameter(name), tensors[name]), name
+
+
+def test_strict_reports_missing_and_unexpected_in_one_error_and_writes_nothing():
+    tensors = _name_matching_checkpoint()
+    del tensors["attn.k_proj.weight"]  # a stacked shard missing
+    del tensors["cross.q_proj.weight"]  # a parameter missing
+    tensors["attn.o_proj.weight"] = torch.randn(3, 3)  # matches nothing
+    tensors["extra.bias"] = torch.randn(3)
+    model = _Model()
+    before = _snapshot(model)
+    with pytest.raises(WeightsMismatchError) as info:
+        load_weights(model, list(tensors.items()), QKV_MAPPING, progress=False)
+    error = info.value
+    assert error.missing == ["attn.qkv_proj.weight (shards not loaded: 'k')", "cross.q_proj.weight"]
+    assert error.unexpected == ["attn.o_proj.weight", "extra.bias"]
+    message = str(error)
+    for name in ("attn.qkv_proj.weight", "cross.q_proj.weight", "attn.o_proj.weight", "extra.bias"):
+        assert name in message
+    _assert_unchanged(model, before)
+    # Without strict the rest loads.
+    loaded = load_weights(model, list(tensors.items()), QKV_MAPPING, strict=False, progress=False)
+    assert "cross.q_proj.weight" not in loaded and "attn.xq_proj.weight" in loaded
+    assert torch.equal(model.attn.xq_proj.weight, tensors["attn.xq_proj.weight"])
+
+
+def test_shape_mismatch_is_found_before_any_write():
+    tensors = _name_matching_checkpoint()
+    tensors["cross.q_proj.weight"] = torch.randn(4, 7)  # default loader
+    tensors["attn.v_proj.weight"] = torch.randn(3, 3)  # the parameter's own weight_loader refuses it
+    model = _Model()
+    before = _snapshot(model)
+    with pytest.raises(WeightsMismatchError) as info:
+        load_weights(model, list(tensors.items()), QKV_MAPPING, progress=False)
+    problems = info.value.problems
+    assert len(problems) == 2
+    assert re.search(r"attn\.v_proj\.weight -> attn\.qkv_proj\.weight \(shard 'v'\).*expected \(2, 3\), "
+                     r"received \(3, 3\)", problems[0])
+    assert re.search(r"cross\.q_proj\.weight.*expected shape \(4, 3\), received \(4, 7\)", problems[1])
+    _assert_unchanged(model, before)
+
+
+def test_tp_layer_shape_error_is_found_before_any_write():
+    model = nn.Module()
+    model.first = nn.Linear(4, 4)
+    model.proj = ColumnParallelLinear(4, 6)
+    before = _snapshot(model)
+    tensors = [("first.weight", torch.randn(4, 4)), ("first.bias", torch.randn(4)),
+               ("proj.weight", torch.randn(6, 5)), ("proj.bias", torch.randn(6))]
+    with pytest.raises(WeightsMismatchError, match=r"proj\.weight: .*expected .*\(6, 4\), received \(6, 5\)"):
+        load_weights(model, tensors, progress=False)
+    _assert_unchanged(model, before)
+
+
+class _Normalising(nn.Module):
+    """A weight_loader that needs the values to decide (meta tensors have none), and one that lets copy_
+    find the shape misfit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scaled = nn.Parameter(torch.zeros(4))
+        self.scaled.weight_loader = self.load_scaled
+        self.plain = nn.Parameter(torch.zeros(2, 3))
+        self.plain.weight_loader = lambda param, loaded: param.copy_(loaded[:])
+
+    def load_scaled(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        full = loaded_weight[:]
+        param.copy_(full / full.abs().max().item())
+
+
+def test_trial_run_leaves_data_dependent_loaders_to_the_real_call():
+    model = _Normalising()
+    scaled, plain = torch.tensor([1.0, -4.0, 2.0, 0.5]), torch.randn(2, 3)
+    load_weights(model, [("scaled", scaled), ("plain", plain)], progress=False)
+    assert torch.equal(model.scaled, scaled / 4) and torch.equal(model.plain, plain)
+    model = _Normalising()
+    with pytest.raises(WeightsMismatchError, match=r"plain: The size of tensor a \(3\) must match"):
+        load_weights(model, [("scaled", scaled), ("plain", torch.randn(2, 4))], progress=False)
+    assert torch.equal(model.scaled, torch.zeros(4))
+
+
+def test_two_tensors_into_one_parameter():
+    tensors = list(_name_matching_checkpoint().items())
+    tensors.append(("attn.q_proj.weight", torch.randn(4, 3)))
+    with pytest.raises(WeightsMismatchError, match=r"attn\.q_proj\.weight -> attn\.qkv_proj\.weight \(shard "
+                                                   r"'q'\): attn\.qkv_proj\.weight is already loaded"):
+        load_weights(_Model(), tensors, QKV_MAPPING, progress=False)
+
+
+def test_casts_to_parameter_dtype(checkpoints, tmp_path):
+    path, reference = checkpoints["llama"]
+    bf16 = {k: v.to(torch.bfloat16) for k, v in load_file(path / "model.safetensors").items()}
+    save_file(bf16, tmp_path / "model.safetensors")
+    model = LlamaForCausalLM(reference.config)
+    load_weights(model, iter_weights(tmp_path), progress=False)
+    for name, param in model.named_parameters():
+        assert param.dtype == torch.float32
+        assert torch.equal(param, bf16[name].float()), name
+    half = nn.Linear(4, 2).to(torch.float16)
+    weight = torch.randn(2, 4)
+    load_weights(half, [("weight", weight), ("bias", torch.zeros(2))], progress=False)
+    assert half.weight.dtype == torch.float16 and torch.equal(half.weight, weight.half())
+
+
+def test_dtype_that_cannot_fit():
+    model = nn.Module()
+    model.register_buffer("counts", torch.zeros(3, dtype=torch.int64))
+    model.scale = nn.Parameter(torch.zeros(3))
+    with pytest.raises(WeightsMismatchError, match=r"counts: dtype torch\.float32 cannot be cast to the "
+                                                   r"parameter's torch\.int64"):
+        load_weights(model, [("counts", torch.randn(3)), ("scale", torch.randn(3))], progress=False)
+    assert torch.equal(model.scale, torch.zeros(3))
+
+
+def test_rename_and_ignore():
+    tensors = {f"transformer.{k}": v for k, v in _name_matching_checkpoint().items()}
+    tensors["transformer.attn.rotary_emb.inv_freq"] = torch.randn(2)
+    tensors["transformer.attn.masked_bias"] = torch.randn(1)
+    model = _Model()
+    loaded = load_weights(model, list(tensors.items()), QKV_MAPPING, rename={"transformer": ""},
+                          ignore=["rotary_emb.inv_freq", re.compile(r"\.masked_bias$")], progress=False)
+    assert loaded == {name for name, _ in model.named_parameters()}
+    assert torch.equal(model.cross.q_proj.weight, tensors["transformer.cross.q_proj.weight"])
+    # A callable may drop tensors by returning None; a component pattern does not match inside a component.
+    model = _Model()
+    load_weights(model, list(tensors.items()), QKV_MAPPING, ignore="attn.masked_bias", progress=False,
+                 rename=lambda n: None if n.endswith("inv_freq") else n.removeprefix("transformer."))
+    with pytest.raises(WeightsMismatchError, match="transformer.attn.masked_bias"):
+        load_weights(_Model(), list(tensors.items()), QKV_MAPPING, ignore="masked", progress=False,
+                     rename=lambda n: None if n.endswith("inv_freq") else n.removeprefix("transformer."))
+
+
+def test_bad_arguments():
+    tensors = list(_name_matching_checkpoint().items())
+    with pytest.raises(ValueError, match=r"stacked_params_mapping\[1\]: expected .*"
+                                         r"received \('qkv_proj', 'k_proj'\)"):
+        load_weights(_Model(), tensors, [QKV_MAPPING[0], ("qkv_proj", "k_proj")])
+    with pytest.raises(TypeError, match="ignore: expected dotted names"):
+        load_weights(_Model(), tensors, QKV_MAPPING, ignore=[3])
+    with pytest.raises(TypeError, match=r"weights\[0\]: expected a \(name: str, tensor or LazyTensor\) pair"):
+        load_weights(_Model(), [("attn.q_proj.weight", [1.0])], QKV_MAPPING)
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        load_weights(tensors, tensors)
+    with pytest.raises(TypeError, match="rename: expected a callable, a mapping or None"):
+        load_weights(_Model(), tensors, QKV_MAPPING, rename=3)
+
+
+def test_default_weight_loader(checkpoints):
+    handle = dict(iter_weights(checkpoints["llama"][0]))["model.norm.weight"]
+    param = nn.Parameter(torch.zeros(64, dtype=torch.float64))
+    default_weight_loader(param, handle)
+    assert param.dtype == torch.float64 and torch.equal(param, handle[:].double())
+    with pytest.raises(ValueError, match=r"expected shape \(65,\), received \(64,\)"):
+        default_weight_loader(nn.Parameter(torch.zeros(65)), handle)
+
+
+# --- progress bar and log line ------------------------------------------------------------------------------
+
+def test_progress_bar_and_log_line(checkpoints, caplog, capsys, monkeypatch):
+    path, reference = checkpoints["llama_sharded"]
+    model = LlamaForCausalLM(reference.config)
+    with caplog.at_level(logging.INFO, logger="tpkit.loaders"):
+        load_weights(model, iter_weights(path), progress=True)
+    assert re.search(r"rank 0: loaded \d+ tensors from \d+ files: [\d.]+ GB read in [\d.]+ s \([\d.]+ GB/s\)",
+                     caplog.text)
+    assert "Loading checkpoint" in capsys.readouterr().err
+    monkeypatch.setenv("TPKIT_DISABLE_PROGRESS", "1")
+    load_weights(model, iter_weights(path))
+    assert "Loading checkpoint" not in capsys.readouterr().err
+
+
+# --- bad checkpoints: a clear error before anything is yielded or written -----------------------------------
+
+def test_missing_path_and_no_weight_files(tmp_path):
+    with pytest.raises(CheckpointNotFoundError, match="does not exist"):
+        iter_weights(tmp_path / "nowhere")
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(CheckpointNotFoundError, match=r"no weight files in .*searched for "
+                                                      r"model\.safetensors\.index\.json, model\.safetensors"):
+        iter_weights(tmp_path)
+
+
+def _copy_checkpoint(source: Path, target: Path) -> Path:
+    shutil.copytree(source, target)
+    return target
+
+
+def test_truncated_safetensors_names_the_file(checkpoints, tmp_path):
+    path = _copy_checkpoint(checkpoints["llama_sharded"][0], tmp_path / "ckpt")
+    last = sorted(path.glob("*.safetensors"))[-1]
+    data = last.read_bytes()
+    last.write_bytes(data[:-10])
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(last))}: truncated safetensors file: "
+                                              r"tensor .* ends at data byte \d+, the file holds \d+ bytes"):
+        iter_weights(path)
+    last.write_bytes(data[:5])
+    with pytest.raises(CheckpointError, match=rf"{re.escape(last.name)}: not a safetensors file"):
+        iter_weights(path)
+
+
+def test_corrupt_safetensors_header(tmp_path):
+    file = tmp_path / "model.safetensors"
+    save_file({"a": torch.randn(4, 4)}, file)
+    data = bytearray(file.read_bytes())
+    (header_len,) = struct.unpack("<Q", data[:8])
+    file.write_bytes(struct.pack("<Q", 1 << 40) + data[8:])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: corrupt or truncated safetensors file: "
+                                              r"header"):
+        iter_weights(tmp_path)
+    header = json.loads(data[8:8 + header_len])
+    header["a"]["shape"] = [4, 5]
+    raw = json.dumps(header).encode()
+    file.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + header_len:])
+    with pytest.raises(CheckpointError, match=r"tensor 'a' \(F32, shape \(4, 5\)\) needs 80 bytes, its "
+                                              r"data_offsets span 64"):
+        iter_weights(tmp_path)
+    data[8:12] = b"\xff\xfe{]"
+    file.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="corrupt safetensors header"):
+        iter_weights(tmp_path)
+
+
+@pytest.mark.parametrize("target", ["../outside.safetensors", "/tmp/outside.safetensors",
+                                    "a/../../x.safetensors"])
+def test_index_pointing_outside_the_checkpoint(checkpoints, tmp_path, target):
+    path = _copy_checkpoint(checkpoints["llama_sharded"][0], tmp_path / "ckpt")
+    index_file = path / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    name = next(iter(index["weight_map"]))
+    index["weight_map"][name] = target
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=rf"weight_map\['{re.escape(name)}'\] = '{re.escape(target)}' "
+                                              r"points outside the checkpoint directory"):
+        iter_weights(path)
+
+
+def test_index_and_files_disagree(checkpoints, tmp_path):
+    path = _copy_checkpoint(checkpoints["llama_sharded"][0], tmp_path / "ckpt")
+    index_file = path / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    first_file = sorted(index["weight_map"].values())[0]
+    index["weight_map"]["model.layers.9.mlp.up_proj.weight"] = first_file
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"puts tensor 'model\.layers\.9\.mlp\.up_proj\.weight' in "
+                                              rf"{re.escape(first_file)}, but no file has it"):
+        iter_weights(path)
+    index["weight_map"]["x"] = "model-00009-of-00009.safetensors"
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(CheckpointNotFoundError, match="lists model-00009-of-00009.safetensors, which is "
+                                                      "not in"):
+        iter_weights(path)
+
+
+# --- PyTorch .bin files: weights_only, never arbitrary pickles ---------------------------------------------
+
+class _NotATensor:
+    pass
+
+
+def test_bin_checkpoint_loads_through_weights_only(checkpoints, tmp_path):
+    path, reference = checkpoints["llama"]
+    tensors = load_file(path / "model.safetensors")
+    torch.save(tensors, tmp_path / "pytorch_model.bin")
+    shutil.copy(path / "config.json", tmp_path / "config.json")
+    weights = dict(iter_weights(tmp_path))
+    assert weights.keys() == tensors.keys()
+    handle = weights["model.layers.1.self_attn.o_proj.weight"]
+    reset_bytes_read()
+    assert torch.equal(handle[:, 16:48], tensors["model.layers.1.self_attn.o_proj.weight"][:, 16:48])
+    assert bytes_read() == 64 * 32 * 4
+    model = LlamaForCausalLM(reference.config)
+    load_weights(model, iter_weights(tmp_path), progress=False)
+    assert torch.equal(model.lm_head.weight, reference.lm_head.weight)
+    # Safetensors win when both are there.
+    save_file({"only": torch.zeros(1)}, tmp_path / "model.safetensors")
+    assert [name for name, _ in iter_weights(tmp_path)] == ["only"]
+
+
+def test_bin_with_arbitrary_objects_is_refused(tmp_path):
+    torch.save({"weight": torch.zeros(2), "evil": _NotATensor()}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match=r"pytorch_model\.bin: cannot be loaded with "
+                                              r"torch\.load\(weights_only=True\)"):
+        list(iter_weights(tmp_path))
+    torch.save({"nested": {"weight": torch.zeros(2)}}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="expected a flat dict of tensor name -> tensor"):
+        list(iter_weights(tmp_path))

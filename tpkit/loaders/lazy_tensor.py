@@ -1,0 +1,181 @@
+"""Lazy handles on checkpoint tensors: shape and dtype for free, data only for the part asked for.
+
+A handle's ``narrow`` and ``[...]`` return real ``torch.Tensor``s. For a safetensors file they are views of a
+private, copy-on-write memory map of just that tensor's bytes: nothing is read until the caller copies the
+view into its parameter, and then only the pages of the requested part fault in. The map goes away with the
+last view, so a loader's resident memory grows by one tensor at a time, not by the checkpoint.
+
+Every returned tensor's size is added to a per-process counter (:func:`bytes_read`), which the loading
+log line and the per-rank tests read.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["LazyTensor", "bytes_read", "reset_bytes_read"]
+
+
+class _ReadCounter:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._total = 0
+
+    def add(self, nbytes: int) -> None:
+        with self._lock:
+            self._total += nbytes
+
+    def get(self) -> int:
+        return self._total
+
+    def reset(self) -> None:
+        with self._lock:
+            self._total = 0
+
+
+_COUNTER = _ReadCounter()
+
+
+def bytes_read() -> int:
+    """Bytes this process has taken from checkpoint tensors through lazy handles since the last reset."""
+    return _COUNTER.get()
+
+
+def reset_bytes_read() -> None:
+    """Sets the :func:`bytes_read` counter back to zero."""
+    _COUNTER.reset()
+
+
+class LazyTensor(ABC):
+    """One checkpoint tensor, not yet read.
+
+    ``shape`` (``torch.Size``) and ``dtype`` (``torch.dtype``) cost no read. ``narrow(dim, start, length)``
+    and basic indexing (``t[a:b]``, ``t[:, a:b]``, ``t[i]``, ``t[...]``; ``t[:]`` is the whole tensor)
+    return a ``torch.Tensor`` holding just that part. For safetensors the result is a view of a private map
+    of the file, valid as long as it is referenced; weight loaders copy it into their parameter and drop it,
+    which unmaps it (keeping it would keep its file pages resident).
+
+    Bytes are counted (:func:`bytes_read`) as numel x element size of what is returned; for strided
+    slices (``t[:, a:b]``) the kernel reads whole pages, so a rank reads from disk exactly its share only
+    where rows are at least a page long.
+    """
+
+    def __init__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, file: Path | None) -> None:
+        self.name = name
+        self.shape = torch.Size(shape)
+        self.dtype = dtype
+        self.file = file
+
+    @abstractmethod
+    def _full(self) -> torch.Tensor:
+        """The whole tensor as a view that reads nothing until its elements are touched."""
+
+    def _counts_reads(self) -> bool:
+        return True
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def size(self, dim: int | None = None) -> torch.Size | int:
+        return self.shape if dim is None else self.shape[dim]
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the whole tensor in bytes (what ``t[:]`` reads)."""
+        return self.numel() * self.element_size()
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError(f"len() of a 0-d tensor ({self.name!r})")
+        return self.shape[0]
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        """Elements ``start .. start + length - 1`` along ``dim``, like ``torch.Tensor.narrow``."""
+        if not self.shape:
+            raise ValueError(f"narrow: {self.name!r} is a 0-d tensor, it has no dimension {dim}")
+        ndim = len(self.shape)
+        if not -ndim <= dim < ndim:
+            raise IndexError(f"narrow: dim {dim} is out of range for {self.name!r} of shape "
+                             f"{tuple(self.shape)}")
+        dim %= ndim
+        size = self.shape[dim]
+        begin = start + size if start < 0 else start
+        if length < 0 or not 0 <= begin <= size or begin + length > size:
+            raise ValueError(f"narrow(dim={dim}, start={start}, length={length}) does not fit dimension "
+                             f"{dim} of {self.name!r}, shape {tuple(self.shape)}")
+        return self._take(self._full().narrow(dim, begin, length))
+
+    def __getitem__(self, key: Any) -> torch.Tensor:
+        return self._take(self._full()[key])
+
+    def _take(self, part: torch.Tensor) -> torch.Tensor:
+        if self._counts_reads():
+            _COUNTER.add(part.numel() * part.element_size())
+        return part
+
+    def __repr__(self) -> str:
+        where = f", file={self.file.name!r}" if self.file is not None else ""
+        return f"{type(self).__name__}({self.name!r}, shape={tuple(self.shape)}, dtype={self.dtype}{where})"
+
+
+class _SafetensorsTensor(LazyTensor):
+    """A tensor stored at ``data_start`` (absolute file offset) of a safetensors file."""
+
+    def __init__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, file: Path,
+                 data_start: int) -> None:
+        super().__init__(name, shape, dtype, file)
+        self.data_start = data_start
+
+    def _full(self) -> torch.Tensor:
+        numel = self.numel()
+        if numel == 0:
+            return torch.empty(self.shape, dtype=self.dtype)
+        # mmap offsets must sit on the allocation granularity; the tensor starts `skip` bytes later.
+        skip = self.data_start % mmap.ALLOCATIONGRANULARITY
+        fd = os.open(self.file, os.O_RDONLY)
+        try:
+            mapped = mmap.mmap(fd, skip + self.nbytes, access=mmap.ACCESS_COPY, offset=self.data_start - skip)
+        finally:
+            os.close(fd)
+        # The tensor holds the only reference to `mapped`: it is unmapped when the last view dies, and
+        # nothing else can close it under the view.
+        flat = torch.frombuffer(mapped, dtype=self.dtype, count=numel, offset=skip)  # [numel]
+        return flat.view(self.shape)
+
+
+class _InMemoryTensor(LazyTensor):
+    """A tensor that ``torch.load`` already produced (memory-mapped where the file format allows)."""
+
+    def __init__(self, name: str, tensor: torch.Tensor, file: Path | None) -> None:
+        super().__init__(name, tuple(tensor.shape), tensor.dtype, file)
+        self._tensor = tensor
+
+    def _full(self) -> torch.Tensor:
+        return self._tensor
+
+
+class _MetaTensor(LazyTensor):
+    """Shape and dtype only: slicing returns meta tensors, so a weight loader can be tried without data."""
+
+    def _full(self) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device="meta")
+
+    def _counts_reads(self) -> bool:
+        return False

@@ -1,0 +1,392 @@
+"""``load_weights``: pair checkpoint tensors with model parameters by name, check every pair, then copy.
+
+Names are compared as dotted paths, component by component: a ``stacked_params_mapping`` entry
+``("qkv_proj", "q_proj", "q")`` turns ``layers.0.self_attn.q_proj.weight`` into
+``layers.0.self_attn.qkv_proj.weight`` (shard ``"q"``) but leaves ``qkv_proj`` and ``v_proj`` alone, because
+``q_proj`` must be a whole component there, not a substring.
+
+Nothing is written until every tensor has been paired and checked: shapes and dtypes come from the lazy
+handles for free, and a parameter's own ``weight_loader`` is first tried on a meta-device shadow of the
+parameter with a meta stand-in for the tensor, so its shape errors surface before any data moves.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import re
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from tqdm.auto import tqdm
+
+from .errors import WeightsMismatchError
+from .lazy_tensor import LazyTensor, _MetaTensor, bytes_read
+
+__all__ = ["default_weight_loader", "load_weights"]
+
+logger = logging.getLogger("tpkit.loaders")
+
+ShardId = str | int | None
+Weight = LazyTensor | torch.Tensor
+Rename = Callable[[str], str | None] | Mapping[str, str] | None
+IgnorePattern = str | re.Pattern
+
+_Components = tuple[str, ...]
+# How torch refuses to compute on meta tensors (values, not shapes): no verdict from the trial run then.
+_NEEDS_DATA = re.compile(r"\bmeta tensors?\b|'Meta' backend", re.IGNORECASE)
+
+
+def default_weight_loader(param: torch.Tensor, loaded_weight: Weight) -> None:
+    """Copies a whole checkpoint tensor into a parameter that is not sharded, casting to its dtype.
+
+    Raises ValueError, writing nothing, when the shapes differ or the dtype cannot be cast.
+    """
+    problem = _fit_problem(param, loaded_weight)
+    if problem is not None:
+        raise ValueError(f"default_weight_loader: {problem}")
+    with torch.no_grad():
+        param.data.copy_(loaded_weight[...])
+
+
+def load_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, Weight]],
+    stacked_params_mapping: Sequence[tuple[str, str, ShardId]] = (),
+    *,
+    rename: Rename = None,
+    ignore: IgnorePattern | Iterable[IgnorePattern] = (),
+    strict: bool = True,
+    progress: bool | None = None,
+) -> set[str]:
+    """Loads checkpoint tensors into ``model``'s parameters (and persistent buffers); returns the names
+    (every alias of a tied parameter included) of what was loaded.
+
+    - ``weights``: ``(name, tensor)`` pairs, typically :func:`iter_weights`; lazy handles or tensors.
+    - ``stacked_params_mapping``: ``(param_name, checkpoint_name, loaded_shard_id)`` triples; a checkpoint
+      name whose dotted components contain ``checkpoint_name`` loads into the parameter named with
+      ``param_name`` in its place, through ``param.weight_loader(param, tensor, loaded_shard_id)``. The
+      first triple whose result names a parameter wins; a name no triple places loads under its own name,
+      through ``param.weight_loader(param, tensor)`` or :func:`default_weight_loader`.
+    - ``rename``: applied to every checkpoint name first: a callable ``name -> new name`` (None drops the
+      tensor), or a mapping of dotted component sequences, e.g. ``{"transformer.h": "model.layers"}``,
+      each replacing every whole-component occurrence, in order (an empty value removes them).
+    - ``ignore``: checkpoint tensors to skip, matched on the name as stored: a string is a dotted component
+      sequence that must occur whole (``"rotary_emb.inv_freq"``), a compiled ``re.Pattern`` is searched in
+      the name (``re.compile(r"\\.attn\\.(masked_)?bias$")``).
+    - ``strict``: every parameter must be loaded (all shards of a stacked one) and every tensor used; all
+      the exceptions are reported in one :class:`WeightsMismatchError`. A tied parameter (one Parameter
+      under two names, e.g. ``lm_head.weight`` and the embedding) is loaded once, from whichever name the
+      checkpoint has.
+    - ``progress``: a tqdm bar over checkpoint files on rank 0; None shows it unless the environment
+      sets ``TPKIT_DISABLE_PROGRESS=1``.
+
+    Shapes, dtypes (values are cast to the parameter's dtype; a float tensor into an integer parameter is
+    refused), duplicates and, with ``strict``, names are all checked before the first parameter is written.
+    For that, each ``weight_loader`` is first called with a meta-device shadow of its parameter (same
+    shape, dtype and attributes) and a meta stand-in for the tensor: a loader must write only through its
+    ``param`` argument, and report a misfit as ValueError (or a torch shape error) there.
+    Logs, on logger ``tpkit.loaders``, the bytes this rank read, the time and the throughput.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"load_weights: model must be a torch.nn.Module, received {type(model).__name__}")
+    mapping = _parse_mapping(stacked_params_mapping)
+    renamer = _parse_rename(rename)
+    is_ignored = _parse_ignore(ignore)
+    targets = _targets(model)
+    plan = _Plan(targets, mapping)
+    for position, entry in enumerate(weights):
+        checkpoint_name, weight = _check_entry(position, entry)
+        if is_ignored(checkpoint_name):
+            continue
+        name = renamer(checkpoint_name)
+        if name is not None:
+            plan.add(checkpoint_name, name, weight)
+    missing = plan.missing()
+    if plan.problems or (strict and (missing or plan.unexpected)):
+        raise WeightsMismatchError(plan.problems, missing if strict else [],
+                                   plan.unexpected if strict else [])
+    _execute(plan.loads, _show_progress(progress))
+    return {alias for load in plan.loads for alias in load.target.aliases}
+
+
+@dataclass(eq=False)
+class _Target:
+    tensor: torch.Tensor
+    is_param: bool
+    aliases: list[str] = field(default_factory=list)  # every name of this tensor; the first is canonical
+
+
+@dataclass
+class _Load:
+    checkpoint_name: str
+    name: str
+    shard: ShardId
+    target: _Target
+    weight: Weight
+
+    @property
+    def file(self) -> Path | None:
+        return self.weight.file if isinstance(self.weight, LazyTensor) else None
+
+    def describe(self) -> str:
+        shard = "" if self.shard is None else f" (shard {self.shard!r})"
+        renamed = "" if self.name == self.checkpoint_name else f" -> {self.name}"
+        return f"{self.checkpoint_name}{renamed}{shard}"
+
+
+class _Plan:
+    """The pairs of checkpoint tensor and parameter, and what does not pair up."""
+
+    def __init__(self, targets: dict[str, _Target], mapping: list[tuple[_Components, _Components, ShardId]]):
+        self.targets = targets
+        self.mapping = mapping
+        self.loads: list[_Load] = []
+        self.problems: list[str] = []
+        self.unexpected: list[str] = []
+        self._placed: dict[int, dict[ShardId, _Load]] = {}
+
+    def add(self, checkpoint_name: str, name: str, weight: Weight) -> None:
+        found = self._match(name)
+        if found is None:
+            self.unexpected.append(checkpoint_name)
+            return
+        target_name, shard = found
+        load = _Load(checkpoint_name, target_name, shard, self.targets[target_name], weight)
+        placed = self._placed.setdefault(id(load.target), {})
+        if placed and all(p.name != target_name for p in placed.values()):
+            # Another name of the same tied parameter was already loaded: this copy adds nothing.
+            logger.debug("skipping %s: tied to %s", load.describe(), next(iter(placed.values())).name)
+            return
+        if placed and (shard in placed or shard is None or None in placed):
+            earlier = placed.get(shard) or next(iter(placed.values()))
+            self.problems.append(f"{load.describe()}: {target_name} is already loaded from "
+                                 f"{earlier.describe()}")
+            return
+        problem = _pair_problem(load)
+        if problem is not None:
+            self.problems.append(f"{load.describe()}: {problem}")
+            return
+        placed[shard] = load
+        self.loads.append(load)
+
+    def _match(self, name: str) -> tuple[str, ShardId] | None:
+        components = _components(name)
+        for param_part, checkpoint_part, shard in self.mapping:
+            replaced = _replace(components, checkpoint_part, param_part)
+            if replaced is not None and ".".join(replaced) in self.targets:
+                return ".".join(replaced), shard
+        return (name, None) if name in self.targets else None
+
+    def missing(self) -> list[str]:
+        missing = []
+        seen: set[int] = set()
+        for target in self.targets.values():
+            if not target.is_param or id(target) in seen:
+                continue
+            seen.add(id(target))
+            placed = self._placed.get(id(target), {})
+            name = target.aliases[0]
+            if not placed:
+                missing.append(name)
+            elif None not in placed:
+                expected = {shard for param_part, _, shard in self.mapping if shard is not None
+                            and any(_contains(_components(alias), param_part) for alias in target.aliases)}
+                absent = expected - set(placed)
+                if absent:
+                    missing.append(f"{name} (shards not loaded: {', '.join(sorted(map(repr, absent)))})")
+        return missing
+
+
+def _pair_problem(load: _Load) -> str | None:
+    """Why ``load.weight`` cannot go into its parameter, found without reading or writing any data."""
+    param = load.target.tensor
+    loader = getattr(param, "weight_loader", None)
+    if loader is None:
+        if load.shard is not None:
+            return (f"{load.name} has no weight_loader to place loaded_shard_id {load.shard!r}; "
+                    "stacked parameters need one")
+        return _fit_problem(param, load.weight)
+    if not torch.can_cast(load.weight.dtype, param.dtype):
+        return f"dtype {load.weight.dtype} cannot be cast to the parameter's {param.dtype}"
+    shadow = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=False)  # [param.shape]
+    shadow.__dict__.update(param.__dict__)
+    stand_in = _MetaTensor(load.checkpoint_name, tuple(load.weight.shape), load.weight.dtype, None)
+    try:
+        with torch.no_grad():
+            _call_loader(loader, shadow, stand_in, load.shard)
+    except NotImplementedError:
+        # The loader needs real values (meta tensors have none) to decide: the real call still checks.
+        return None
+    except RuntimeError as error:
+        return None if _NEEDS_DATA.search(str(error)) else str(error)
+    except (ValueError, TypeError, IndexError) as error:
+        return str(error)
+    return None
+
+
+def _fit_problem(param: torch.Tensor, weight: Weight) -> str | None:
+    if tuple(weight.shape) != tuple(param.shape):
+        return f"expected shape {tuple(param.shape)}, received {tuple(weight.shape)}"
+    if not torch.can_cast(weight.dtype, param.dtype):
+        return f"dtype {weight.dtype} cannot be cast to the parameter's {param.dtype}"
+    return None
+
+
+def _call_loader(loader: Callable, param: torch.Tensor, weight: Weight, shard: ShardId) -> None:
+    if shard is None:
+        loader(param, weight)
+    else:
+        loader(param, weight, shard)
+
+
+def _execute(loads: list[_Load], show_progress: bool) -> None:
+    files = list(dict.fromkeys(load.file for load in loads if load.file is not None))
+    start, read_before = time.perf_counter(), bytes_read()
+    with tqdm(total=len(files), unit="file", desc="Loading checkpoint", disable=not show_progress) as bar:
+        for file, group in itertools.groupby(loads, key=lambda load: load.file):
+            for load in group:
+                loader = getattr(load.target.tensor, "weight_loader", None) or default_weight_loader
+                with torch.no_grad():
+                    _call_loader(loader, load.target.tensor, load.weight, load.shard)
+            if file is not None:
+                bar.update(1)
+    seconds = time.perf_counter() - start
+    nbytes = bytes_read() - read_before
+    logger.info("rank %d: loaded %d tensors from %d files: %.3f GB read in %.2f s (%.2f GB/s)",
+                _rank(), len(loads), len(files), nbytes / 1e9, seconds, nbytes / 1e9 / max(seconds, 1e-9))
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _show_progress(progress: bool | None) -> bool:
+    if progress is None:
+        disabled = os.environ.get("TPKIT_DISABLE_PROGRESS", "").strip().lower()
+        progress = disabled not in ("1", "true", "yes", "on")
+    return progress and _rank() == 0
+
+
+def _targets(model: nn.Module) -> dict[str, _Target]:
+    """Every parameter and persistent buffer by each of its names; tied ones share one target."""
+    named: list[tuple[str, torch.Tensor, bool]] = [
+        (name, param, True) for name, param in model.named_parameters(remove_duplicate=False)]
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for buffer_name, buffer in module._buffers.items():
+            if buffer is not None and buffer_name not in module._non_persistent_buffers_set:
+                named.append((f"{module_name}.{buffer_name}" if module_name else buffer_name, buffer, False))
+    by_storage: dict[object, _Target] = {}
+    targets: dict[str, _Target] = {}
+    for name, tensor, is_param in named:
+        target = by_storage.setdefault(_storage_key(tensor), _Target(tensor, is_param))
+        if name not in target.aliases:
+            target.aliases.append(name)
+        targets[name] = target
+    return targets
+
+
+def _storage_key(tensor: torch.Tensor) -> object:
+    """Equal for tensors that are the same memory (tied weights), whether or not the same object."""
+    if tensor.device.type == "meta" or tensor.numel() == 0:
+        return id(tensor)
+    return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
+            tensor.stride(), tensor.dtype, tensor.device)
+
+
+def _components(name: str) -> _Components:
+    stripped = name.strip(".")
+    return tuple(stripped.split(".")) if stripped else ()
+
+
+def _contains(components: _Components, part: _Components) -> bool:
+    n = len(part)
+    return any(components[i:i + n] == part for i in range(len(components) - n + 1))
+
+
+def _replace(components: _Components, old: _Components, new: _Components) -> _Components | None:
+    """``components`` with every whole occurrence of ``old`` replaced by ``new``; None when none occurs."""
+    out: list[str] = []
+    i, n, found = 0, len(old), False
+    while i < len(components):
+        if components[i:i + n] == old:
+            out.extend(new)
+            i += n
+            found = True
+        else:
+            out.append(components[i])
+            i += 1
+    return tuple(out) if found else None
+
+
+def _parse_mapping(stacked_params_mapping: Sequence[tuple[str, str, ShardId]]
+                   ) -> list[tuple[_Components, _Components, ShardId]]:
+    parsed = []
+    for i, entry in enumerate(stacked_params_mapping):
+        if not (isinstance(entry, (tuple, list)) and len(entry) == 3
+                and all(isinstance(part, str) and _components(part) for part in entry[:2])
+                and (entry[2] is None or isinstance(entry[2], str)
+                     or (isinstance(entry[2], int) and not isinstance(entry[2], bool)))):
+            raise ValueError(f"stacked_params_mapping[{i}]: expected (param_name: str, checkpoint_name: str, "
+                             f"loaded_shard_id: str | int | None), received {entry!r}")
+        parsed.append((_components(entry[0]), _components(entry[1]), entry[2]))
+    return parsed
+
+
+def _parse_rename(rename: Rename) -> Callable[[str], str | None]:
+    if rename is None:
+        return lambda name: name
+    if isinstance(rename, Mapping):
+        pairs = []
+        for old, new in rename.items():
+            if not (isinstance(old, str) and _components(old) and isinstance(new, str)):
+                raise TypeError(f"rename: expected a mapping of non-empty dotted names to dotted names, "
+                                f"received the entry {old!r}: {new!r}")
+            pairs.append((_components(old), _components(new)))
+
+        def apply(name: str) -> str:
+            components = _components(name)
+            for old, new in pairs:
+                components = _replace(components, old, new) or components
+            return ".".join(components)
+
+        return apply
+    if callable(rename):
+        def checked(name: str) -> str | None:
+            new = rename(name)
+            if new is not None and not isinstance(new, str):
+                raise TypeError(f"rename({name!r}) must return a str or None, returned {type(new).__name__}")
+            return new
+
+        return checked
+    raise TypeError(f"rename: expected a callable, a mapping or None, received {type(rename).__name__}")
+
+
+def _parse_ignore(ignore: IgnorePattern | Iterable[IgnorePattern]) -> Callable[[str], bool]:
+    patterns = [ignore] if isinstance(ignore, (str, re.Pattern)) else list(ignore)
+    parts: list[_Components] = []
+    regexes: list[re.Pattern] = []
+    for pattern in patterns:
+        if isinstance(pattern, re.Pattern):
+            regexes.append(pattern)
+        elif isinstance(pattern, str) and _components(pattern):
+            parts.append(_components(pattern))
+        else:
+            raise TypeError(f"ignore: expected dotted names (str) or compiled regexes (re.Pattern), "
+                            f"received {pattern!r}")
+    return lambda name: (any(_contains(_components(name), part) for part in parts)
+                         or any(regex.search(name) for regex in regexes))
+
+
+def _check_entry(position: int, entry: object) -> tuple[str, Weight]:
+    if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str)
+            and isinstance(entry[1], (LazyTensor, torch.Tensor))):
+        raise TypeError(f"weights[{position}]: expected a (name: str, tensor or LazyTensor) pair, received "
+                        f"{type(entry).__name__}")
+    return entry
