@@ -1,0 +1,363 @@
+"""Decode attention on one GPU: tpkit's paged kernel against torch SDPA on contiguous KV, a naive
+gather-then-SDPA, FlexAttention over the paged layout, and (from the anchors file) vLLM's kernels.
+
+    PYTHONPATH=. python benchmarks/bench_paged_attention.py [--only C1,C3] [--config name:dtype:B:L:Hq:Hkv]
+
+Every configuration uses head size 128 and KV block (page) 16, every sequence holding L tokens. Data is
+random normal; block tables are random permutations of the pages. Each implementation is checked against
+a float32 reference on the same data (relative error ||out - ref|| / ||ref||), then timed as the median of
+CUDA-graph replays, each replay running it once on every one of several input sets so that at least
+``--min-kv-mb`` of KV is touched per replay (L2 is 60 MB). The device copy bandwidth (a 2 GiB clone,
+bytes read + written) is measured in the same run. Prints a table and writes the rows as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from tpkit.attention import _cuda, paged_attention
+
+HEAD_SIZE = 128
+BLOCK_SIZE = 16
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+SDPA_BACKENDS = {
+    "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
+    "sdpa-flash": SDPBackend.FLASH_ATTENTION,
+    "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION,
+}
+# vLLM paged_attention v1/v2 (best of the two) on the same H200, from
+# ../shared/anchors/paged_attention_h200_2026-11-29.md (vLLM is not installed on the GPU machine).
+VLLM_ANCHOR_US = {"C1": 854.8, "C2": 48.2, "C3": 53.0, "C4": 245.0, "C5": 448.8, "C6": 1184.2}
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    dtype: str
+    batch: int
+    seq_len: int
+    num_heads: int
+    num_kv_heads: int
+
+    @property
+    def kv_bytes(self) -> int:
+        return 2 * self.batch * self.seq_len * self.num_kv_heads * HEAD_SIZE * DTYPES[self.dtype].itemsize
+
+    def __str__(self) -> str:
+        return (f"{self.name}-{self.dtype} B={self.batch} L={self.seq_len} Hq={self.num_heads} "
+                f"Hkv={self.num_kv_heads}")
+
+
+CONFIGS = (
+    Config("C1", "bf16", 64, 4096, 32, 8),
+    Config("C2", "fp16", 8, 1024, 40, 40),
+    Config("C3", "fp16", 8, 2048, 48, 1),
+    Config("C4", "bf16", 2, 32768, 32, 8),
+    Config("C5", "bf16", 256, 512, 32, 8),
+    Config("C6", "bf16", 64, 4096, 48, 1),
+)
+
+
+def _parse_config(text: str) -> Config:
+    parts = text.split(":")
+    if len(parts) != 6 or parts[1] not in DTYPES:
+        raise argparse.ArgumentTypeError(
+            f"expected name:dtype:B:L:Hq:Hkv with dtype in {list(DTYPES)}, got {text!r}")
+    name, dtype, *numbers = parts
+    batch, seq_len, num_heads, num_kv_heads = (int(x) for x in numbers)
+    if seq_len % BLOCK_SIZE or num_heads % num_kv_heads:
+        raise argparse.ArgumentTypeError(
+            f"L must be a multiple of {BLOCK_SIZE} and Hkv divide Hq, got {text!r}")
+    return Config(name, dtype, batch, seq_len, num_heads, num_kv_heads)
+
+
+@dataclass
+class InputSet:
+    """One decode step's inputs, in the paged layout and (the same values) laid out contiguously."""
+
+    query: torch.Tensor  # [B, Hq, D]
+    key_cache: torch.Tensor  # [num_blocks, BLOCK_SIZE, Hkv, D]
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor  # int32 [B, L / BLOCK_SIZE], a permutation of the pages
+    seq_lens: torch.Tensor  # int32 [B]
+    key: torch.Tensor | None = None  # [B, Hkv, L, D], contiguous
+    value: torch.Tensor | None = None
+
+
+def _make_set(cfg: Config, generator: torch.Generator) -> InputSet:
+    dtype = DTYPES[cfg.dtype]
+    pages = cfg.seq_len // BLOCK_SIZE
+    num_blocks = cfg.batch * pages
+    dev = torch.device("cuda")
+    cache_shape = (num_blocks, BLOCK_SIZE, cfg.num_kv_heads, HEAD_SIZE)
+    return InputSet(
+        query=torch.randn(cfg.batch, cfg.num_heads, HEAD_SIZE, device=dev, generator=generator, dtype=dtype),
+        key_cache=torch.randn(cache_shape, device=dev, generator=generator, dtype=dtype),
+        value_cache=torch.randn(cache_shape, device=dev, generator=generator, dtype=dtype),
+        block_tables=torch.randperm(num_blocks, device=dev, generator=generator, dtype=torch.int32)
+        .view(cfg.batch, pages),
+        seq_lens=torch.full((cfg.batch,), cfg.seq_len, dtype=torch.int32, device=dev),
+    )
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, BLOCK_SIZE, Hkv, D] pages of each sequence -> [B, Hkv, L, D] (a copy)."""
+    batch, pages = block_tables.shape
+    return cache[block_tables].view(batch, pages * BLOCK_SIZE, cache.shape[2], cache.shape[3]).transpose(1, 2)
+
+
+def _reference(s: InputSet) -> torch.Tensor:
+    """float32 decode attention over the gathered K/V: [B, Hq, D]."""
+    key = _gather(s.key_cache, s.block_tables).float()  # [B, Hkv, L, D]
+    value = _gather(s.value_cache, s.block_tables).float()
+    batch, num_heads, head_size = s.query.shape
+    num_kv_heads = key.shape[1]
+    q = s.query.float().view(batch, num_kv_heads, num_heads // num_kv_heads, head_size)  # [B, Hkv, G, D]
+    scores = torch.matmul(q, key.transpose(-1, -2)) * head_size ** -0.5  # [B, Hkv, G, L]
+    return torch.matmul(scores.softmax(dim=-1), value).view(batch, num_heads, head_size)
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).splitlines()
+    return f"{type(exc).__name__}: {lines[0][:100] if lines else ''}"
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref).norm() / ref.norm())
+
+
+def _graph_time_us(calls: list[Callable[[], object]], replays: int) -> float:
+    """Median per call over CUDA-graph replays of one graph that makes every call once."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:  # warm-up outside the capture (builds, autotuning, plans)
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / len(calls))
+    del graph
+    return statistics.median(times)
+
+
+def _copy_bandwidth_gbps() -> float:
+    """Device copy bandwidth: clone of a 2 GiB tensor, bytes read + written, median of 10."""
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    src.random_()
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(13):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end) / 1000.0)
+    del src, dst
+    return 2 * (2 << 30) / statistics.median(times) / 1e9
+
+
+class _Flex:
+    """FlexAttention over the paged layout: the caches viewed as one [1, Hkv, num_blocks * 16, D] KV and
+    a BlockMask whose KV blocks are each sequence's pages, all full (every sequence fills its pages)."""
+
+    def __init__(self, budget_s: float) -> None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        self.compiled = torch.compile(flex_attention, dynamic=False)
+        self.budget_s = budget_s
+
+    def block_mask(self, s: InputSet):  # -> BlockMask
+        from torch.nn.attention.flex_attention import BlockMask
+
+        batch, pages = s.block_tables.shape
+        num_blocks = s.key_cache.shape[0]
+        dev = s.block_tables.device
+        # Index tensors span every physical page: the mask's dense form is indexed by them.
+        num_kv = torch.zeros(batch, 1, 1, dtype=torch.int32, device=dev)
+        empty = torch.zeros(batch, 1, 1, num_blocks, dtype=torch.int32, device=dev)
+        full_num = torch.full_like(num_kv, pages)
+        full_idx = torch.zeros_like(empty)
+        full_idx[:, 0, 0, :pages] = s.block_tables
+        # The same mask as a mask_mod (used by the eager path; the kernel only visits the full blocks):
+        # a physical slot belongs to sequence b when its page is in b's table.
+        owner = torch.zeros(batch, num_blocks, dtype=torch.bool, device=dev)  # [B, num_blocks]
+        owner[torch.arange(batch, device=dev)[:, None], s.block_tables.long()] = True
+
+        def in_table(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
+                     kv_idx: torch.Tensor) -> torch.Tensor:
+            return owner[b, kv_idx // BLOCK_SIZE]
+
+        return BlockMask.from_kv_blocks(num_kv, empty, full_num, full_idx, BLOCK_SIZE=(128, BLOCK_SIZE),
+                                        mask_mod=in_table, seq_lengths=(1, num_blocks * BLOCK_SIZE))
+
+    def call(self, s: InputSet, mask) -> Callable[[], torch.Tensor]:
+        num_blocks, _, num_kv_heads, head_size = s.key_cache.shape
+        # [num_blocks, 16, Hkv, D] -> [1, Hkv, num_blocks * 16, D], a strided view (no copy).
+        key = s.key_cache.view(1, num_blocks * BLOCK_SIZE, num_kv_heads, head_size).transpose(1, 2)
+        value = s.value_cache.view(1, num_blocks * BLOCK_SIZE, num_kv_heads, head_size).transpose(1, 2)
+        query = s.query.unsqueeze(2)  # [B, Hq, 1, D]
+        return lambda: self.compiled(query, key, value, block_mask=mask, enable_gqa=True).squeeze(2)
+
+
+def _sdpa_call(s: InputSet, backend: SDPBackend | None) -> Callable[[], torch.Tensor]:
+    query = s.query.unsqueeze(2)  # [B, Hq, 1, D]
+
+    def run() -> torch.Tensor:
+        if backend is None:
+            return F.scaled_dot_product_attention(query, s.key, s.value, enable_gqa=True).squeeze(2)
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(query, s.key, s.value, enable_gqa=True).squeeze(2)
+
+    return run
+
+
+def _naive_call(s: InputSet) -> Callable[[], torch.Tensor]:
+    def run() -> torch.Tensor:
+        key = _gather(s.key_cache, s.block_tables)
+        value = _gather(s.value_cache, s.block_tables)
+        return F.scaled_dot_product_attention(s.query.unsqueeze(2), key, value, enable_gqa=True).squeeze(2)
+
+    return run
+
+
+def _tpkit_call(s: InputSet) -> Callable[[], torch.Tensor]:
+    out = torch.empty_like(s.query)
+    return lambda: paged_attention(s.query, s.key_cache, s.value_cache, s.block_tables, s.seq_lens, out=out)
+
+
+def _bench_config(cfg: Config, args: argparse.Namespace, copy_bw: float, flex: _Flex | None,
+                  rows: list[dict]) -> None:
+    num_sets = max(1, math.ceil(args.min_kv_mb * 1e6 / cfg.kv_bytes))
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    sets = [_make_set(cfg, generator) for _ in range(num_sets)]
+    ref = _reference(sets[0])
+    for s in sets:
+        s.key = _gather(s.key_cache, s.block_tables).contiguous()
+        s.value = _gather(s.value_cache, s.block_tables).contiguous()
+
+    impls: list[tuple[str, Callable[[InputSet], Callable[[], torch.Tensor]]]] = [("tpkit", _tpkit_call)]
+    impls += [(name, lambda s, b=backend: _sdpa_call(s, b)) for name, backend in SDPA_BACKENDS.items()]
+    impls += [("sdpa-default", lambda s: _sdpa_call(s, None)), ("naive-gather-sdpa", _naive_call)]
+    results: dict[str, tuple[float, float]] = {}
+    for name, make in impls:
+        try:
+            calls = [make(s) for s in sets]
+            err = _rel_err(calls[0](), ref)
+            results[name] = (_graph_time_us(calls, args.replays), err)
+        except (RuntimeError, ValueError) as exc:
+            print(f"  {cfg.name} {name}: skipped ({_first_line(exc)})")
+        torch.cuda.synchronize()
+    print(f"  {cfg.name} sdpa-math: skipped (materialises the scores; far slower than every other backend)")
+    if flex is not None:
+        if flex.budget_s <= 0:
+            print(f"  {cfg.name} flex-paged: skipped (FlexAttention compile budget spent)")
+        else:
+            t0 = time.perf_counter()
+            try:
+                calls = [flex.call(s, flex.block_mask(s)) for s in sets]
+                err = _rel_err(calls[0](), ref)
+                results["flex-paged"] = (_graph_time_us(calls, args.replays), err)
+            except Exception as exc:  # inductor/triton failures vary; report and go on
+                print(f"  {cfg.name} flex-paged: skipped ({_first_line(exc)})")
+            flex.budget_s -= time.perf_counter() - t0
+    plan = _cuda.launch_plan(sets[0].query, sets[0].key_cache, sets[0].block_tables)
+    print(f"  {cfg.name} tpkit plan: {plan}")
+    del sets
+    torch.cuda.empty_cache()
+
+    sdpa = {k: v for k, v in results.items() if k.startswith("sdpa")}
+    best_sdpa = min(sdpa.items(), key=lambda kv: kv[1][0]) if sdpa else None
+    for name, (t_us, err) in sorted(results.items(), key=lambda kv: kv[1][0]):
+        gbps = cfg.kv_bytes / (t_us * 1e-6) / 1e9
+        row = {
+            "config": cfg.name, "impl": name, "dtype": cfg.dtype, "batch": cfg.batch, "seq_len": cfg.seq_len,
+            "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads, "head_size": HEAD_SIZE,
+            "block_size": BLOCK_SIZE, "kv_bytes": cfg.kv_bytes, "num_input_sets": num_sets,
+            "t_us": round(t_us, 2), "GBps": round(gbps, 1), "pct_copy_bw": round(100 * gbps / copy_bw, 1),
+            "ratio_to_best_sdpa": round(t_us / best_sdpa[1][0], 3) if best_sdpa else None,
+            "best_sdpa": best_sdpa is not None and name == best_sdpa[0], "rel_err": err,
+        }
+        rows.append(row)
+
+
+def _print_table(rows: list[dict], copy_bw: float) -> None:
+    print(f"\ncopy bandwidth {copy_bw:.0f} GB/s; ratio = t / t(best SDPA, contiguous KV), * = best SDPA; "
+          f"vLLM x = vLLM anchor time / tpkit time")
+    print(f"{'config':<8}{'impl':<20}{'us':>9}{'GB/s':>8}{'%copy':>7}{'ratio':>7}{'rel_err':>10}")
+    for row in rows:
+        mark = " *" if row["best_sdpa"] else ""
+        ratio = f"{row['ratio_to_best_sdpa']:.2f}" if row["ratio_to_best_sdpa"] is not None else "-"
+        print(f"{row['config'] + '-' + row['dtype']:<8}{row['impl'] + mark:<20}{row['t_us']:>9.1f}"
+              f"{row['GBps']:>8.0f}{row['pct_copy_bw']:>7.1f}{ratio:>7}{row['rel_err']:>10.1e}")
+    for row in rows:
+        if row["impl"] == "tpkit" and row["config"] in VLLM_ANCHOR_US:
+            vllm = VLLM_ANCHOR_US[row["config"]]
+            print(f"{row['config']}: tpkit {row['t_us']:.1f} us vs vLLM (anchor) {vllm} us -> "
+                  f"{vllm / row['t_us']:.1f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", action="append", type=_parse_config, default=[],
+                        help="extra configuration name:dtype:B:L:Hq:Hkv (head 128, block 16)")
+    parser.add_argument("--only", default=None, help="comma-separated names of the built-in configs to run")
+    parser.add_argument("--min-kv-mb", type=float, default=512.0, help="KV touched per replay (MB)")
+    parser.add_argument("--replays", type=int, default=30)
+    parser.add_argument("--flex-budget-s", type=float, default=90.0,
+                        help="total seconds for FlexAttention (compiles included); 0 skips it")
+    parser.add_argument("--json", type=Path, default=Path("benchmarks/results/paged_attention_h200.json"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU")
+
+    configs = [c for c in CONFIGS if args.only is None or c.name in args.only.split(",")] + args.config
+    props = torch.cuda.get_device_properties(0)
+    print(f"{props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, "
+          f"CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}; "
+          f"python {platform.python_version()}")
+    copy_bw = _copy_bandwidth_gbps()
+    print(f"device copy bandwidth: {copy_bw:.0f} GB/s")
+    flex = _Flex(args.flex_budget_s) if args.flex_budget_s > 0 else None
+    rows: list[dict] = []
+    for cfg in configs:
+        t0 = time.perf_counter()
+        _bench_config(cfg, args, copy_bw, flex, rows)
+        print(f"  {cfg}: KV {cfg.kv_bytes / 1e6:.1f} MB, floor {cfg.kv_bytes / copy_bw / 1e3:.1f} us at copy "
+              f"bandwidth ({time.perf_counter() - t0:.0f} s)")
+    _print_table(rows, copy_bw)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"gpu": props.name, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "cudnn": torch.backends.cudnn.version(), "copy_bw_GBps": round(copy_bw, 1)}
+    args.json.write_text(json.dumps([{**row, **meta} for row in rows], indent=1) + "\n")
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

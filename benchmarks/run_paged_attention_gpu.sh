@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One call on the GPU machine (device tool): JIT-build the paged-attention extension, run its CUDA tests,
+# a compute-sanitizer memcheck of a few configurations, and the benchmark. Logs and the JSON go to $OUT.
+#   STAGES="build tests bench sanitize" bash benchmarks/run_paged_attention_gpu.sh [bench args...]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=. PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=/tmp/tpkit_extensions
+OUT=${OUT:-/tmp/tpkit_gpu_out}
+STAGES=${STAGES:-build tests bench sanitize}
+mkdir -p "$OUT"
+T=tests/test_paged_attention_cuda.py
+# Small, varied cases for memcheck: head 120 (k-step padding), MQA 48:1 + ALiBi, fp32, head 256,
+# many sequences (no split), strided query, cache writes.
+SANITIZE_CASES=("$T::test_paged_attention_grid[float16-120-32-4-True]"
+                "$T::test_paged_attention_grid[bfloat16-128-16-48-True]"
+                "$T::test_paged_attention_grid[float32-80-32-8-False]"
+                "$T::test_paged_attention_grid[bfloat16-256-32-1-False]"
+                "$T::test_paged_attention_many_sequences_no_split[torch.bfloat16]"
+                "$T::test_paged_attention_strided_query"
+                "$T::test_reshape_and_cache[120-torch.float16]")
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
+for stage in $STAGES; do
+  start=$(date +%s)
+  case $stage in
+    build)
+      python3 -c "import torch; from tpkit.attention import _cuda; _cuda.build(torch.cuda.get_device_capability())" \
+        > "$OUT/build.log" 2>&1 || { echo "BUILD FAILED"; tail -40 "$OUT/build.log"; exit 1; } ;;
+    tests)
+      timeout 400 python3 -m pytest -q -p no:cacheprovider --tb=short -W ignore::UserWarning $T \
+        > "$OUT/tests.log" 2>&1; grep -E "passed|failed|error" "$OUT/tests.log" | tail -3
+      grep -E "^FAILED|^ERROR" "$OUT/tests.log" | head -20 ;;
+    sanitize)
+      PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 240 compute-sanitizer --tool memcheck --leak-check no \
+        python3 -m pytest -q -p no:cacheprovider --tb=short "${SANITIZE_CASES[@]}" > "$OUT/sanitizer.log" 2>&1
+      echo "sanitizer rc=$?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitizer.log" | tail -3 ;;
+    bench)
+      timeout 420 python3 benchmarks/bench_paged_attention.py --json "$OUT/paged_attention_h200.json" "$@" \
+        > "$OUT/bench.log" 2>&1; echo "bench rc=$?"; sed -n '/^copy bandwidth/,$p' "$OUT/bench.log"
+      grep "skipped\|plan" "$OUT/bench.log" | grep -v "sdpa-math\|sdpa-efficient" | head -20 ;;
+  esac
+  echo "[$stage: $(( $(date +%s) - start )) s]"
+done

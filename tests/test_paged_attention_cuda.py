@@ -1,0 +1,238 @@
+"""The CUDA paged-attention kernels against the PyTorch (CPU) implementation of the same ops.
+
+Skipped without a GPU. The kernel is called directly through ``tpkit.attention._cuda`` (which must build:
+a test fails rather than silently checking the PyTorch fallback) and through the public ops, in CUDA graphs
+and under ``torch.compile``. Caches start filled with NaN and block tables are random permutations whose
+unused entries point at NaN pages, so any read of a slot outside a sequence shows up in the result.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tpkit.attention import _cuda, paged_attention, reshape_and_cache
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+HEAD_SIZES = (32, 64, 80, 96, 112, 120, 128, 192, 256)
+BLOCK_SIZES = (8, 16, 32)
+RATIOS = (1, 4, 8, 48)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# (atol, rtol) against a float32 reference: output rounding plus P rounded to the dtype for P V.
+TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-3, 4e-3), torch.bfloat16: (1e-2, 1.6e-2)}
+HEADS_FOR_RATIO = {1: (4, 4), 4: (8, 2), 8: (16, 2), 48: (48, 1)}  # ratio -> (num_heads, num_kv_heads)
+
+
+def _alibi_slopes(num_heads: int) -> torch.Tensor:
+    """The geometric ALiBi slopes of the ALiBi paper, float32 [num_heads]."""
+    return torch.tensor([2.0 ** (-8.0 * (i + 1) / num_heads) for i in range(num_heads)], dtype=torch.float32)
+
+
+def _make_paged(seq_lens: list[int], num_kv_heads: int, head_size: int, block_size: int, *, extra_blocks: int,
+                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float32 caches [num_blocks, block_size, num_kv_heads, head_size] holding random K/V for every token of
+    every sequence and NaN elsewhere, and an int32 block table [num_seqs, max_blocks_per_seq + 1] mapping
+    each sequence to a random permutation of pages; unused entries point at random (mostly NaN) pages."""
+    pages_per_seq = [math.ceil(n / block_size) for n in seq_lens]
+    num_blocks = sum(pages_per_seq) + extra_blocks
+    width = max(pages_per_seq) + 1
+    perm = torch.randperm(num_blocks, generator=generator).to(torch.int32)
+    block_tables = torch.randint(0, num_blocks, (len(seq_lens), width), generator=generator,
+                                 dtype=torch.int32)
+    key_cache = torch.full((num_blocks, block_size, num_kv_heads, head_size), float("nan"))
+    value_cache = torch.full_like(key_cache, float("nan"))
+    used = 0
+    for s, (n, pages) in enumerate(zip(seq_lens, pages_per_seq, strict=True)):
+        block_tables[s, :pages] = perm[used:used + pages]
+        used += pages
+        if n == 0:
+            continue
+        pos = torch.arange(n)
+        blocks = block_tables[s, pos // block_size].long()  # [n]
+        key_cache[blocks, pos % block_size] = torch.randn(n, num_kv_heads, head_size, generator=generator)
+        value_cache[blocks, pos % block_size] = torch.randn(n, num_kv_heads, head_size, generator=generator)
+    return key_cache, value_cache, block_tables
+
+
+def _check_attention(dtype: torch.dtype, head_size: int, block_size: int, num_heads: int, num_kv_heads: int,
+                     seq_lens: list[int], *, alibi: bool, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    key_cache, value_cache, block_tables = _make_paged(seq_lens, num_kv_heads, head_size, block_size,
+                                                       extra_blocks=3, generator=generator)
+    # Rounded to the dtype first, so the CPU float32 reference sees exactly the kernel's inputs.
+    query = torch.randn(len(seq_lens), num_heads, head_size, generator=generator).to(dtype).float()
+    key_cache, value_cache = key_cache.to(dtype).float(), value_cache.to(dtype).float()
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    slopes = _alibi_slopes(num_heads) if alibi else None
+    scale = head_size ** -0.5
+    expected = paged_attention(query, key_cache, value_cache, block_tables, lens, scale=scale,
+                               alibi_slopes=slopes)
+
+    dev = torch.device("cuda")
+    out = torch.full((len(seq_lens), num_heads, head_size), float("nan"), dtype=dtype, device=dev)
+    ran = _cuda.paged_attention(out, query.to(dev, dtype), key_cache.to(dev, dtype),
+                                value_cache.to(dev, dtype), block_tables.to(dev), lens.to(dev), scale,
+                                None if slopes is None else slopes.to(dev))
+    assert ran, "the CUDA extension did not build"
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.float().cpu(), expected, atol=atol, rtol=rtol)
+
+
+def _grid_cases() -> list[tuple]:
+    """Every head size per dtype (block sizes, ratios and ALiBi cycled), then every block size x ratio x
+    ALiBi per dtype at head size 128."""
+    cases = []
+    for dtype in DTYPES:
+        for i, head_size in enumerate(HEAD_SIZES):
+            cases.append((dtype, head_size, BLOCK_SIZES[i % 3], RATIOS[i % 4], bool(i % 2)))
+        for block_size in BLOCK_SIZES:
+            for ratio in RATIOS:
+                for alibi in (False, True):
+                    cases.append((dtype, 128, block_size, ratio, alibi))
+    return cases
+
+
+@pytest.mark.parametrize(("dtype", "head_size", "block_size", "ratio", "alibi"), _grid_cases(),
+                         ids=lambda v: str(v).replace("torch.", ""))
+def test_paged_attention_grid(dtype: torch.dtype, head_size: int, block_size: int, ratio: int,
+                              alibi: bool) -> None:
+    num_heads, num_kv_heads = HEADS_FOR_RATIO[ratio]
+    # Ragged: empty, one token, block boundaries, a tile boundary (64) and longer contexts that split.
+    seq_lens = [0, 1, block_size, block_size + 1, 65, 517, 1000 + head_size]
+    _check_attention(dtype, head_size, block_size, num_heads, num_kv_heads, seq_lens, alibi=alibi,
+                     seed=head_size * 1000 + block_size * 10 + ratio)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_paged_attention_many_sequences_no_split(dtype: torch.dtype) -> None:
+    """Enough (sequence, KV head) pairs to fill the GPU: one partition per sequence, no merge."""
+    generator = torch.Generator().manual_seed(7)
+    seq_lens = torch.randint(0, 300, (96,), generator=generator).tolist()
+    _check_attention(dtype, 64, 16, 32, 8, seq_lens, alibi=False, seed=11)
+
+
+def test_paged_attention_long_context() -> None:
+    """One 128k-token sequence (split across many partitions) beside a short one."""
+    _check_attention(torch.bfloat16, 128, 32, 8, 1, [131072 + 37, 3], alibi=True, seed=5)
+
+
+def test_paged_attention_strided_query() -> None:
+    """A query that is a view into a wider tensor (the output of a fused QKV projection)."""
+    generator = torch.Generator().manual_seed(3)
+    seq_lens = [5, 200, 64]
+    key_cache, value_cache, block_tables = _make_paged(seq_lens, 2, 64, 16, extra_blocks=2,
+                                                       generator=generator)
+    qkv = torch.randn(3, 12, 64, generator=generator)
+    query = qkv[:, :8]  # [3, 8, 64], stride(0) = 12 * 64
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    expected = paged_attention(query.contiguous(), key_cache, value_cache, block_tables, lens)
+    dev = torch.device("cuda")
+    out = torch.empty(3, 8, 64, device=dev)
+    assert _cuda.paged_attention(out, qkv.to(dev)[:, :8], key_cache.to(dev), value_cache.to(dev),
+                                 block_tables.to(dev), lens.to(dev), 64 ** -0.5, None)
+    torch.testing.assert_close(out.cpu(), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("head_size", "block_size", "dtype"),
+                         [(100, 16, torch.float16), (128, 64, torch.bfloat16)])
+def test_paged_attention_unsupported(head_size: int, block_size: int, dtype: torch.dtype) -> None:
+    dev = torch.device("cuda")
+    query = torch.randn(2, 4, head_size, device=dev, dtype=dtype)
+    cache = torch.randn(4, block_size, 4, head_size, device=dev, dtype=dtype)
+    block_tables = torch.zeros(2, 2, dtype=torch.int32, device=dev)
+    lens = torch.ones(2, dtype=torch.int32, device=dev)
+    with pytest.raises(ValueError, match="supported: .*head sizes 32, 64"):
+        _cuda.paged_attention(torch.empty_like(query), query, cache, cache, block_tables, lens, 1.0, None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_size", [64, 120])
+def test_reshape_and_cache(dtype: torch.dtype, head_size: int) -> None:
+    generator = torch.Generator().manual_seed(head_size)
+    num_tokens, num_kv_heads, block_size, num_blocks = 37, 4, 16, 12
+    # key is a strided view (part of a fused projection); slot -1 marks padding.
+    kv = torch.randn(num_tokens, 2 * num_kv_heads, head_size, generator=generator).to(dtype)
+    key, value = kv[:, :num_kv_heads], kv[:, num_kv_heads:].contiguous()
+    slots = torch.randperm(num_blocks * block_size, generator=generator)[:num_tokens]
+    slots[::5] = -1
+    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_size, generator=generator).to(dtype)
+    value_cache = torch.randn_like(key_cache.float()).to(dtype)
+    expected_k, expected_v = key_cache.clone(), value_cache.clone()
+    reshape_and_cache(key, value, expected_k, expected_v, slots)
+
+    dev = torch.device("cuda")
+    key_cache_d, value_cache_d = key_cache.to(dev), value_cache.to(dev)
+    assert _cuda.reshape_and_cache(kv.to(dev)[:, :num_kv_heads], value.to(dev), key_cache_d, value_cache_d,
+                                   slots.to(dev))
+    assert torch.equal(key_cache_d.cpu(), expected_k)
+    assert torch.equal(value_cache_d.cpu(), expected_v)
+
+
+def test_cuda_graph_replay() -> None:
+    """Cache write + attention captured once, replayed on new inputs written in place (split-K path)."""
+    dev = torch.device("cuda")
+    generator = torch.Generator().manual_seed(21)
+    num_seqs, num_heads, num_kv_heads, head_size, block_size = 3, 16, 2, 128, 16
+    seq_lens = [700, 1, 2000]
+    key_cache, value_cache, block_tables = _make_paged(seq_lens, num_kv_heads, head_size, block_size,
+                                                       extra_blocks=4, generator=generator)
+    key_cache = key_cache.nan_to_num(0.0).to(dev, torch.bfloat16)
+    value_cache = value_cache.nan_to_num(0.0).to(dev, torch.bfloat16)
+    block_tables = block_tables.to(dev)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+    query = torch.randn(num_seqs, num_heads, head_size, device=dev, dtype=torch.bfloat16)
+    new_k = torch.randn(num_seqs, num_kv_heads, head_size, device=dev, dtype=torch.bfloat16)
+    new_v = torch.randn_like(new_k)
+    slots = torch.zeros(num_seqs, dtype=torch.int64, device=dev)
+    out = torch.empty_like(query)
+
+    def step() -> None:
+        reshape_and_cache(new_k, new_v, key_cache, value_cache, slots)
+        paged_attention(query, key_cache, value_cache, block_tables, lens, out=out)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up: builds/loads the extension and plans outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+
+    for new_lens in ([701, 2, 2001], [64, 1500, 17]):
+        lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        last = lens.long() - 1
+        slots.copy_(block_tables[torch.arange(num_seqs, device=dev), last // block_size].long() * block_size
+                    + last % block_size)
+        query.normal_()
+        new_k.normal_()
+        new_v.normal_()
+        graph.replay()
+        expected = paged_attention(query.float().cpu(), key_cache.float().cpu(), value_cache.float().cpu(),
+                                   block_tables.cpu(), lens.cpu())
+        torch.testing.assert_close(out.float().cpu(), expected, atol=1e-2, rtol=1.6e-2)
+
+
+def test_torch_compile() -> None:
+    dev = torch.device("cuda")
+    generator = torch.Generator().manual_seed(8)
+    seq_lens = [33, 300]
+    key_cache, value_cache, block_tables = _make_paged(seq_lens, 2, 64, 16, extra_blocks=2,
+                                                       generator=generator)
+    key_cache = key_cache.nan_to_num(0.0).half().float()
+    value_cache = value_cache.nan_to_num(0.0).half().float()
+    query = torch.randn(2, 8, 64, generator=generator).half().float()
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    expected = paged_attention(query, key_cache, value_cache, block_tables, lens) * 2.0
+
+    @torch.compile(fullgraph=True)
+    def attend_twice(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, bt: torch.Tensor,
+                     sl: torch.Tensor) -> torch.Tensor:
+        return paged_attention(q, kc, vc, bt, sl) * 2.0
+
+    got = attend_twice(query.to(dev, torch.float16), key_cache.to(dev, torch.float16),
+                       value_cache.to(dev, torch.float16), block_tables.to(dev), lens.to(dev))
+    torch.testing.assert_close(got.float().cpu(), expected, atol=4e-3, rtol=4e-3)

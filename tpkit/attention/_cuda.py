@@ -1,0 +1,202 @@
+"""The CUDA paged-attention kernels (``csrc/``), compiled on first use.
+
+The extension is built with ``torch.utils.cpp_extension.load`` (ninja) for the compute capability of the
+GPU it runs on, and cached per (GPU architecture, torch version, CUDA version) in
+``$TORCH_EXTENSIONS_DIR/<name>`` (default ``~/.cache/torch_extensions/<name>``); later processes reuse
+the build. Compile flags: ``-O3 -std=c++17 -gencode=arch=compute_XY,code=sm_XY`` for the device's
+``sm_XY`` (8.0 or newer: the kernels use ``cp.async``, ``ldmatrix`` and bf16 ``mma.sync``).
+
+Ahead-of-time build, for machines whose users have torch but no CUDA toolkit: on a machine with ``nvcc``
+(matching ``torch.version.cuda``) and the same torch, run::
+
+    python -m tpkit.attention.build                 # for the visible GPUs
+    python -m tpkit.attention.build --arch 8.0 9.0  # for named architectures, no GPU needed
+
+then ship the printed directories and point ``TORCH_EXTENSIONS_DIR`` at their parent. Where ``nvcc`` is
+missing, :func:`paged_attention` and :func:`reshape_and_cache` load such a prebuilt module directly.
+
+Both entry points return False when no kernel can be had on this machine (no toolkit and no prebuilt
+module, a failed compile, a GPU older than sm_80); they then warn once saying how to get the kernel, and
+the caller (``tpkit.attention.ops``) runs the PyTorch implementation instead.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import os
+import re
+import threading
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+_CSRC = Path(__file__).resolve().parent / "csrc"
+_SOURCES = (
+    "binding.cpp",
+    "paged_attention_api.cu",
+    "paged_attention_float16.cu",
+    "paged_attention_bfloat16.cu",
+    "paged_attention_float32.cu",
+)
+_MIN_CAPABILITY = (8, 0)
+
+# tpkit_dtype codes of csrc/paged_attention.h
+_DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+
+_lock = threading.Lock()
+_modules: dict[tuple[int, int], ModuleType | None] = {}
+_warned = False
+
+
+def extension_name(capability: tuple[int, int]) -> str:
+    """Module name of the build for one GPU architecture under this torch and CUDA version."""
+    torch_version = re.sub(r"[^0-9a-zA-Z]+", "_", torch.__version__.split("+")[0])
+    cuda_version = re.sub(r"[^0-9a-zA-Z]+", "_", torch.version.cuda or "none")
+    return f"tpkit_paged_attention_sm{capability[0]}{capability[1]}_torch{torch_version}_cu{cuda_version}"
+
+
+def build_root() -> Path:
+    """Where builds are cached: ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "torch_extensions"
+
+
+def compile_flags(capability: tuple[int, int]) -> list[str]:
+    """nvcc flags for one architecture (naming it stops torch from adding its own ``-gencode`` list)."""
+    arch = f"{capability[0]}{capability[1]}"
+    return ["-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-lineinfo"]
+
+
+def build(capability: tuple[int, int], *, verbose: bool = False) -> ModuleType:
+    """Compiles (or reuses, when up to date) the extension for ``capability``; raises on failure."""
+    from torch.utils.cpp_extension import load
+
+    name = extension_name(capability)
+    build_dir = build_root() / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    return load(
+        name=name,
+        sources=[str(_CSRC / s) for s in _SOURCES],
+        extra_cflags=["-O3", "-std=c++17"],
+        extra_cuda_cflags=compile_flags(capability),
+        extra_include_paths=[str(_CSRC)],
+        build_directory=str(build_dir),
+        verbose=verbose,
+    )
+
+
+def _load_prebuilt(capability: tuple[int, int]) -> ModuleType | None:
+    name = extension_name(capability)
+    build_dir = build_root() / name
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES + [".so"]:
+        path = build_dir / f"{name}{suffix}"
+        if path.is_file():
+            spec = importlib.util.spec_from_file_location(name, path)
+            if spec is None or spec.loader is None:
+                return None
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
+    return None
+
+
+def _warn_once(reason: str) -> None:
+    global _warned
+    if _warned:
+        return
+    _warned = True
+    warnings.warn(
+        f"tpkit: the CUDA paged-attention kernel is not available ({reason}); using the slower PyTorch "
+        f"implementation. For the fast kernel, install the CUDA toolkit matching torch "
+        f"(CUDA {torch.version.cuda}: nvcc on PATH or CUDA_HOME set; it compiles on first use), or build it "
+        f"ahead of time with `python -m tpkit.attention.build` on a machine that has the toolkit and set "
+        f"TORCH_EXTENSIONS_DIR to the directory holding the result.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def _find_module(capability: tuple[int, int]) -> ModuleType | None:
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if capability < _MIN_CAPABILITY:
+        _warn_once(f"GPU compute capability {capability[0]}.{capability[1]} is below 8.0")
+        return None
+    if CUDA_HOME is None:
+        module = _load_prebuilt(capability)
+        if module is None:
+            _warn_once("no CUDA toolkit (nvcc) found and no prebuilt module in "
+                       f"{build_root() / extension_name(capability)}")
+        return module
+    try:
+        return build(capability)
+    except Exception as exc:  # a compiler or toolkit error: fall back, never fail the caller
+        module = _load_prebuilt(capability)
+        if module is None:
+            _warn_once(f"building the extension failed: {type(exc).__name__}: {exc}")
+        return module
+
+
+def _module_for(device: torch.device) -> ModuleType | None:
+    capability = torch.cuda.get_device_capability(device)
+    with _lock:
+        if capability not in _modules:
+            _modules[capability] = _find_module(capability)
+        return _modules[capability]
+
+
+def paged_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    alibi_slopes: torch.Tensor | None,
+) -> bool:
+    """Runs the CUDA decode-attention kernel into ``out``; False when no kernel is available here.
+
+    query, out ``[num_seqs, num_heads, head_size]``; key_cache, value_cache
+    ``[num_blocks, block_size, num_kv_heads, head_size]``; block_tables int32
+    ``[num_seqs, max_blocks_per_seq]``; seq_lens int32 ``[num_seqs]``; alibi_slopes float32 ``[num_heads]``
+    or None. Raises ValueError for a configuration the kernel does not support (the message lists what
+    is). No host synchronisation and no allocation that depends on values: safe in CUDA graphs.
+    """
+    module = _module_for(query.device)
+    if module is None:
+        return False
+    head_size, block_size = query.shape[-1], key_cache.shape[1]
+    if not module.is_supported(_DTYPE_CODES.get(query.dtype, -1), head_size, block_size):
+        raise ValueError(f"paged_attention (CUDA): dtype {query.dtype}, head_size {head_size} and block_size "
+                         f"{block_size} are not supported; supported: {module.supported_text()}")
+    module.paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, float(scale),
+                           alibi_slopes)
+    return True
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> bool:
+    """Writes key/value ``[num_tokens, num_kv_heads, head_size]`` into their cache slots (int64
+    ``slot_mapping``, negative = skip) with the CUDA kernel; False when no kernel is available here."""
+    module = _module_for(key.device)
+    if module is None:
+        return False
+    module.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    return True
+
+
+def launch_plan(query: torch.Tensor, key_cache: torch.Tensor,
+                block_tables: torch.Tensor) -> dict[str, int] | None:
+    """The kernel's launch configuration for these shapes (split-K partitions, warps, pipeline stages,
+    shared memory), as benchmarks report it; None when no kernel is available here."""
+    module = _module_for(query.device)
+    return None if module is None else dict(module.plan(query, key_cache, block_tables))

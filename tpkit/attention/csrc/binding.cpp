@@ -1,0 +1,270 @@
+// Torch binding of tpkit's paged-attention kernels: checks tensors, plans, allocates the split-K scratch
+// from the shapes (so it is CUDA-graph safe: the caching allocator serves it under capture too) and
+// launches on the current stream. The kernels themselves are torch-free (paged_attention.h).
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+
+#include "paged_attention.h"
+
+namespace {
+
+// Error messages are assembled with std::to_string and std::string only: in this extension, formatting
+// integers through std::ostream (c10::str, which TORCH_CHECK uses for several arguments) crashed on the
+// lent H200's image (torch 2.11, 2026-11-29), so TORCH_CHECK only ever gets one finished string.
+std::string piece(const char* s) { return s; }
+std::string piece(const std::string& s) { return s; }
+std::string piece(int64_t v) { return std::to_string(v); }
+std::string piece(at::ScalarType t) { return c10::toString(t); }
+std::string piece(const at::Device& d) { return d.str(); }
+std::string piece(at::IntArrayRef sizes) {
+  std::string s = "[";
+  for (size_t i = 0; i < sizes.size(); ++i) s += (i ? ", " : "") + std::to_string(sizes[i]);
+  return s + "]";
+}
+
+template <typename... Args>
+std::string message(const Args&... args) {
+  return (std::string() + ... + piece(args));
+}
+
+#define TPKIT_CHECK_VALUE(cond, ...)                              \
+  do {                                                           \
+    if (!(cond)) TORCH_CHECK_VALUE(false, message(__VA_ARGS__)); \
+  } while (0)
+
+bool rows_16b_aligned(const at::Tensor& t) {
+  if (t.stride(-1) != 1 || reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) {
+    if ((t.stride(d) * t.element_size()) % 16 != 0) return false;
+  }
+  return true;
+}
+
+tpkit_dtype to_tpkit_dtype(at::ScalarType t) {
+  TPKIT_CHECK_VALUE(t == at::kHalf || t == at::kBFloat16 || t == at::kFloat, "paged_attention (CUDA): dtype ", t,
+                    " is not supported; supported: ", tpkit_paged_attention_supported_text());
+  return t == at::kHalf ? TPKIT_FLOAT16 : (t == at::kBFloat16 ? TPKIT_BFLOAT16 : TPKIT_FLOAT32);
+}
+
+void check_cuda(const at::Tensor& t, const char* name, const at::Device& device) {
+  TPKIT_CHECK_VALUE(t.device() == device, "paged_attention (CUDA): ", name, ": expected device ", device, ", got ",
+                    t.device());
+}
+
+void check_launch(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) TORCH_CHECK(false, message("tpkit ", what, " (CUDA): ", cudaGetErrorString(err)));
+}
+
+// The shape fields of the kernel arguments (all that planning reads).
+void fill_shapes(tpkit_paged_attention_args* a, const at::Tensor& query, const at::Tensor& key_cache,
+                 const at::Tensor& block_tables) {
+  a->dtype = to_tpkit_dtype(query.scalar_type());
+  a->num_seqs = static_cast<int>(query.size(0));
+  a->num_heads = static_cast<int>(query.size(1));
+  a->head_size = static_cast<int>(query.size(2));
+  a->num_blocks = static_cast<int>(std::min<int64_t>(key_cache.size(0), INT32_MAX));
+  a->block_size = static_cast<int>(key_cache.size(1));
+  a->num_kv_heads = static_cast<int>(key_cache.size(2));
+  a->max_blocks_per_seq = static_cast<int>(block_tables.size(1));
+}
+
+// The launch configuration paged_attention would use for these shapes (for benchmarks and notes).
+std::map<std::string, int64_t> plan(const at::Tensor& query, const at::Tensor& key_cache,
+                                    const at::Tensor& block_tables) {
+  TPKIT_CHECK_VALUE(query.is_cuda() && query.dim() == 3 && key_cache.dim() == 4 && block_tables.dim() == 2,
+                    "plan (CUDA): expected CUDA query [num_seqs, num_heads, head_size], key_cache [num_blocks, "
+                    "block_size, num_kv_heads, head_size] and block_tables [num_seqs, max_blocks_per_seq]");
+  const c10::cuda::CUDAGuard guard(query.device());
+  tpkit_paged_attention_args a{};
+  fill_shapes(&a, query, key_cache, block_tables);
+  check_launch(tpkit_paged_attention_plan(&a), "paged_attention planning");
+  return {{"num_partitions", a.num_partitions}, {"partition_size", a.partition_size}, {"m_groups", a.m_groups},
+          {"warps_m", a.warps_m}, {"warps_n", a.warps_n}, {"num_stages", a.num_stages}, {"threads", a.threads},
+          {"smem_bytes", a.smem_bytes}};
+}
+
+void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
+                     const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                     double scale, const std::optional<at::Tensor>& alibi_slopes) {
+  TPKIT_CHECK_VALUE(query.is_cuda(), "paged_attention (CUDA): query: expected a CUDA tensor, got ", query.device());
+  const at::Device device = query.device();
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{out, "out"}, {key_cache, "key_cache"},
+                                {value_cache, "value_cache"}, {block_tables, "block_tables"},
+                                {seq_lens, "seq_lens"}}) {
+    check_cuda(t, name, device);
+  }
+  TPKIT_CHECK_VALUE(query.dim() == 3, "paged_attention (CUDA): query: expected [num_seqs, num_heads, head_size], got ",
+                    query.sizes());
+  TPKIT_CHECK_VALUE(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(),
+                    "paged_attention (CUDA): out: expected shape ", query.sizes(), " and dtype ",
+                    query.scalar_type(), ", got ", out.sizes(), " ", out.scalar_type());
+  TPKIT_CHECK_VALUE(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
+                    "paged_attention (CUDA): key_cache/value_cache: expected equal shapes [num_blocks, block_size, "
+                    "num_kv_heads, head_size], got ", key_cache.sizes(), " and ", value_cache.sizes());
+  TPKIT_CHECK_VALUE(key_cache.scalar_type() == query.scalar_type() && value_cache.scalar_type() == query.scalar_type(),
+                    "paged_attention (CUDA): caches: expected dtype ", query.scalar_type(), ", got ",
+                    key_cache.scalar_type(), " and ", value_cache.scalar_type());
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_size = query.size(2);
+  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  const tpkit_dtype dtype = to_tpkit_dtype(query.scalar_type());
+  TPKIT_CHECK_VALUE(key_cache.size(3) == head_size, "paged_attention (CUDA): key_cache: expected head_size ",
+                    head_size, " (dim 3), got ", key_cache.size(3));
+  TPKIT_CHECK_VALUE(tpkit_paged_attention_supported(dtype, static_cast<int>(head_size), static_cast<int>(block_size)),
+                    "paged_attention (CUDA): head_size ", head_size, " with block_size ", block_size, " and dtype ",
+                    query.scalar_type(), " is not supported; supported: ", tpkit_paged_attention_supported_text());
+  TPKIT_CHECK_VALUE(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "paged_attention (CUDA): num_kv_heads ",
+                    num_kv_heads, " must divide num_heads ", num_heads);
+  TPKIT_CHECK_VALUE(block_tables.dim() == 2 && block_tables.size(0) == num_seqs &&
+                        block_tables.scalar_type() == at::kInt,
+                    "paged_attention (CUDA): block_tables: expected int32 [num_seqs=", num_seqs,
+                    ", max_blocks_per_seq], got ", block_tables.scalar_type(), " ", block_tables.sizes());
+  TPKIT_CHECK_VALUE(seq_lens.dim() == 1 && seq_lens.size(0) == num_seqs && seq_lens.scalar_type() == at::kInt,
+                    "paged_attention (CUDA): seq_lens: expected int32 [num_seqs=", num_seqs, "], got ",
+                    seq_lens.scalar_type(), " ", seq_lens.sizes());
+  TPKIT_CHECK_VALUE(num_seqs <= 65535 && num_heads <= 65535, "paged_attention (CUDA): at most 65535 sequences and "
+                    "heads, got ", num_seqs, " and ", num_heads);
+  TPKIT_CHECK_VALUE(rows_16b_aligned(key_cache) && rows_16b_aligned(value_cache),
+                    "paged_attention (CUDA): key_cache/value_cache: expected a contiguous last dimension and "
+                    "16-byte aligned rows, got strides ", key_cache.strides(), " and ", value_cache.strides());
+  if (alibi_slopes.has_value()) {
+    const at::Tensor& s = *alibi_slopes;
+    check_cuda(s, "alibi_slopes", device);
+    TPKIT_CHECK_VALUE(s.dim() == 1 && s.size(0) == num_heads && s.scalar_type() == at::kFloat,
+                      "paged_attention (CUDA): alibi_slopes: expected float32 [num_heads=", num_heads, "], got ",
+                      s.scalar_type(), " ", s.sizes());
+  }
+  if (num_seqs == 0) return;
+
+  const c10::cuda::CUDAGuard guard(device);
+  // Misaligned or strided inputs are copied (shapes only, so still graph safe); the caches never are.
+  const at::Tensor q = rows_16b_aligned(query) ? query : query.clone(at::MemoryFormat::Contiguous);
+  const at::Tensor o = rows_16b_aligned(out) ? out : at::empty_like(query, at::MemoryFormat::Contiguous);
+  const at::Tensor bt = block_tables.stride(1) == 1 ? block_tables : block_tables.contiguous();
+  const at::Tensor sl = seq_lens.contiguous();
+  std::optional<at::Tensor> slopes;
+  if (alibi_slopes.has_value()) slopes = alibi_slopes->contiguous();
+
+  tpkit_paged_attention_args a{};
+  a.out = o.data_ptr();
+  a.query = q.data_ptr();
+  a.key_cache = key_cache.data_ptr();
+  a.value_cache = value_cache.data_ptr();
+  a.block_tables = bt.data_ptr<int32_t>();
+  a.seq_lens = sl.data_ptr<int32_t>();
+  a.alibi_slopes = slopes.has_value() ? slopes->data_ptr<float>() : nullptr;
+  fill_shapes(&a, query, key_cache, bt);
+  a.q_stride_seq = q.stride(0);
+  a.q_stride_head = q.stride(1);
+  a.o_stride_seq = o.stride(0);
+  a.o_stride_head = o.stride(1);
+  a.k_stride_block = key_cache.stride(0);
+  a.k_stride_token = key_cache.stride(1);
+  a.k_stride_head = key_cache.stride(2);
+  a.v_stride_block = value_cache.stride(0);
+  a.v_stride_token = value_cache.stride(1);
+  a.v_stride_head = value_cache.stride(2);
+  a.bt_stride = bt.stride(0);
+  a.scale = static_cast<float>(scale);
+  check_launch(tpkit_paged_attention_plan(&a), "paged_attention planning");
+
+  at::Tensor tmp_out, tmp_lse;
+  if (a.num_partitions > 1) {
+    const auto opts = query.options().dtype(at::kFloat);
+    tmp_out = at::empty({num_seqs, num_heads, a.num_partitions, head_size}, opts);
+    tmp_lse = at::empty({num_seqs, num_heads, a.num_partitions}, opts);
+    a.tmp_out = tmp_out.data_ptr<float>();
+    a.tmp_lse = tmp_lse.data_ptr<float>();
+  }
+  check_launch(tpkit_paged_attention_launch(&a, c10::cuda::getCurrentCUDAStream()), "paged_attention");
+  if (!o.is_same(out)) out.copy_(o);
+}
+
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache, at::Tensor value_cache,
+                       const at::Tensor& slot_mapping) {
+  TPKIT_CHECK_VALUE(key.is_cuda(), "reshape_and_cache (CUDA): key: expected a CUDA tensor, got ", key.device());
+  const at::Device device = key.device();
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{value, "value"}, {key_cache, "key_cache"},
+                                {value_cache, "value_cache"}, {slot_mapping, "slot_mapping"}}) {
+    TPKIT_CHECK_VALUE(t.device() == device, "reshape_and_cache (CUDA): ", name, ": expected device ", device,
+                      ", got ", t.device());
+  }
+  TPKIT_CHECK_VALUE(key.dim() == 3 && value.sizes() == key.sizes(), "reshape_and_cache (CUDA): key/value: expected "
+                    "equal shapes [num_tokens, num_kv_heads, head_size], got ", key.sizes(), " and ", value.sizes());
+  TPKIT_CHECK_VALUE(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes() &&
+                        key_cache.size(2) == key.size(1) && key_cache.size(3) == key.size(2),
+                    "reshape_and_cache (CUDA): caches: expected equal shapes [num_blocks, block_size, ", key.size(1),
+                    ", ", key.size(2), "], got ", key_cache.sizes(), " and ", value_cache.sizes());
+  TPKIT_CHECK_VALUE(value.scalar_type() == key.scalar_type() && key_cache.scalar_type() == key.scalar_type() &&
+                        value_cache.scalar_type() == key.scalar_type(),
+                    "reshape_and_cache (CUDA): expected one dtype for key, value and caches, got ", key.scalar_type(),
+                    ", ", value.scalar_type(), ", ", key_cache.scalar_type(), ", ", value_cache.scalar_type());
+  TPKIT_CHECK_VALUE(slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0) &&
+                        slot_mapping.scalar_type() == at::kLong,
+                    "reshape_and_cache (CUDA): slot_mapping: expected int64 [num_tokens=", key.size(0), "], got ",
+                    slot_mapping.scalar_type(), " ", slot_mapping.sizes());
+  TPKIT_CHECK_VALUE(key_cache.stride(-1) == 1 && value_cache.stride(-1) == 1,
+                    "reshape_and_cache (CUDA): caches: expected a contiguous last dimension, got strides ",
+                    key_cache.strides(), " and ", value_cache.strides());
+  TPKIT_CHECK_VALUE(key.size(0) <= INT32_MAX, "reshape_and_cache (CUDA): too many tokens: ", key.size(0));
+  TPKIT_CHECK_VALUE(key.element_size() >= 2, "reshape_and_cache (CUDA): 1-byte dtypes are not supported, got ",
+                    key.scalar_type());
+  if (key.numel() == 0) return;
+
+  const c10::cuda::CUDAGuard guard(device);
+  const at::Tensor k = key.stride(-1) == 1 ? key : key.contiguous();
+  const at::Tensor v = value.stride(-1) == 1 ? value : value.contiguous();
+  const at::Tensor slots = slot_mapping.contiguous();
+  tpkit_reshape_and_cache_args a{};
+  a.key = k.data_ptr();
+  a.value = v.data_ptr();
+  a.key_cache = key_cache.data_ptr();
+  a.value_cache = value_cache.data_ptr();
+  a.slot_mapping = slots.data_ptr<int64_t>();
+  a.num_tokens = static_cast<int>(k.size(0));
+  a.num_kv_heads = static_cast<int>(k.size(1));
+  a.head_size = static_cast<int>(k.size(2));
+  a.block_size = static_cast<int>(key_cache.size(1));
+  a.num_blocks = key_cache.size(0);
+  a.elem_size = static_cast<int>(k.element_size());
+  a.key_stride_token = k.stride(0);
+  a.key_stride_head = k.stride(1);
+  a.value_stride_token = v.stride(0);
+  a.value_stride_head = v.stride(1);
+  a.kc_stride_block = key_cache.stride(0);
+  a.kc_stride_token = key_cache.stride(1);
+  a.kc_stride_head = key_cache.stride(2);
+  a.vc_stride_block = value_cache.stride(0);
+  a.vc_stride_token = value_cache.stride(1);
+  a.vc_stride_head = value_cache.stride(2);
+  check_launch(tpkit_reshape_and_cache_launch(&a, c10::cuda::getCurrentCUDAStream()), "reshape_and_cache");
+}
+
+bool tpkit_paged_attention_supported_int(int dtype_code, int64_t head_size, int64_t block_size) {
+  return dtype_code >= TPKIT_FLOAT16 && dtype_code <= TPKIT_FLOAT32 && head_size <= INT32_MAX &&
+         block_size <= INT32_MAX &&
+         tpkit_paged_attention_supported(static_cast<tpkit_dtype>(dtype_code), static_cast<int>(head_size),
+                                         static_cast<int>(block_size));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "tpkit paged-attention CUDA kernels";
+  m.def("paged_attention", &paged_attention, "Paged decode attention into `out` (see tpkit.attention._cuda).",
+        py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
+        py::arg("seq_lens"), py::arg("scale"), py::arg("alibi_slopes"));
+  m.def("plan", &plan, "The launch configuration for these shapes: partitions, warps, stages, shared memory.",
+        py::arg("query"), py::arg("key_cache"), py::arg("block_tables"));
+  m.def("is_supported", &tpkit_paged_attention_supported_int,
+        "Whether the kernels support (dtype code: 0 float16, 1 bfloat16, 2 float32; head_size; block_size).");
+  m.def("supported_text", &tpkit_paged_attention_supported_text, "What the kernels support, in words.");
+  m.def("reshape_and_cache", &reshape_and_cache, "Writes key/value into their cache slots (in place).",
+        py::arg("key"), py::arg("value"), py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"));
+}

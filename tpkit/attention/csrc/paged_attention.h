@@ -1,0 +1,101 @@
+// C interface of tpkit's paged-attention kernels: raw pointers, sizes, strides (in elements) and a CUDA
+// stream. No torch: the binding (binding.cpp) checks tensors and fills these structs; .ci/run compiles
+// everything else with a bare nvcc (python -m tpkit.attention.build_check).
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum { TPKIT_FLOAT16 = 0, TPKIT_BFLOAT16 = 1, TPKIT_FLOAT32 = 2 } tpkit_dtype;
+
+// Decode attention: out[s, h] = softmax(scale * q[s, h] . K[s, :]^T (+ ALiBi)) V[s, :] over the seq_lens[s]
+// tokens of sequence s, found through block_tables[s]. Query head h reads KV head h / (num_heads /
+// num_kv_heads).
+typedef struct {
+  // Inputs and output. Caches are [num_blocks, block_size, num_kv_heads, head_size], last dim contiguous;
+  // query and out [num_seqs, num_heads, head_size], last dim contiguous. Rows must be 16-byte aligned.
+  void* out;
+  const void* query;
+  const void* key_cache;
+  const void* value_cache;
+  const int32_t* block_tables;  // [num_seqs, max_blocks_per_seq], last dim contiguous
+  const int32_t* seq_lens;      // [num_seqs]
+  const float* alibi_slopes;    // [num_heads] or NULL
+  tpkit_dtype dtype;
+  int num_seqs;
+  int num_heads;
+  int num_kv_heads;
+  int head_size;
+  int block_size;
+  int max_blocks_per_seq;
+  int num_blocks;
+  int64_t q_stride_seq, q_stride_head;
+  int64_t o_stride_seq, o_stride_head;
+  int64_t k_stride_block, k_stride_token, k_stride_head;
+  int64_t v_stride_block, v_stride_token, v_stride_head;
+  int64_t bt_stride;
+  float scale;
+
+  // Filled by tpkit_paged_attention_plan from the shapes alone (never from seq_lens' values, so the plan
+  // is the same in every replay of a CUDA graph).
+  int num_partitions;  // split-K partitions per sequence; 1: no split, no scratch
+  int partition_size;  // tokens per partition, a multiple of the kernel's tile
+  int m_groups;        // thread blocks per KV head along the query-head axis (1 unless the group is huge)
+  int rows_per_cta;    // query rows (heads) one thread block serves
+  int warps_m, warps_n;
+  int num_stages;      // cp.async pipeline depth
+  int threads;
+  int smem_bytes;
+  int group_size;           // num_heads / num_kv_heads
+  int block_size_log2;
+  float scale_log2;         // scale * log2(e)
+
+  // Split-K scratch, allocated by the caller after planning when num_partitions > 1:
+  // tmp_out float32 [num_seqs, num_heads, num_partitions, head_size], tmp_lse float32
+  // [num_seqs, num_heads, num_partitions] (log2-domain log-sum-exp of each partition).
+  float* tmp_out;
+  float* tmp_lse;
+} tpkit_paged_attention_args;
+
+// Copies new tokens' K and V into the caches: slot = block * block_size + offset; a negative slot (padding)
+// and a slot past the cache are skipped. Strides in elements; every last dim contiguous.
+typedef struct {
+  const void* key;    // [num_tokens, num_kv_heads, head_size]
+  const void* value;  // [num_tokens, num_kv_heads, head_size]
+  void* key_cache;    // [num_blocks, block_size, num_kv_heads, head_size]
+  void* value_cache;
+  const int64_t* slot_mapping;  // [num_tokens]
+  int num_tokens;
+  int num_kv_heads;
+  int head_size;
+  int block_size;
+  int64_t num_blocks;
+  int elem_size;  // bytes per element
+  int64_t key_stride_token, key_stride_head;
+  int64_t value_stride_token, value_stride_head;
+  int64_t kc_stride_block, kc_stride_token, kc_stride_head;
+  int64_t vc_stride_block, vc_stride_token, vc_stride_head;
+} tpkit_reshape_and_cache_args;
+
+// 1 when the kernels support this dtype, head size and block size (see tpkit_paged_attention_supported_text).
+int tpkit_paged_attention_supported(tpkit_dtype dtype, int head_size, int block_size);
+
+// What the kernels support, for error messages.
+const char* tpkit_paged_attention_supported_text(void);
+
+// Chooses the launch configuration and split-K partitioning for the current CUDA device from the shapes.
+// Returns cudaSuccess, or the error of a device query (the args are then unusable).
+cudaError_t tpkit_paged_attention_plan(tpkit_paged_attention_args* args);
+
+// Launches the attention kernel (and, when num_partitions > 1, the log-sum-exp merge) on `stream`.
+cudaError_t tpkit_paged_attention_launch(const tpkit_paged_attention_args* args, cudaStream_t stream);
+
+cudaError_t tpkit_reshape_and_cache_launch(const tpkit_reshape_and_cache_args* args, cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,223 @@
+// The C entry points of tpkit's paged-attention kernels (paged_attention.h): support checks, planning,
+// dtype dispatch, the cache write. Torch-free.
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <tuple>
+
+#include "launch_common.h"
+#include "paged_attention.h"
+#include "ptx.cuh"
+#include "reshape_and_cache.cuh"
+
+namespace tpkit {
+namespace {
+
+constexpr int kPlanTile = 64;           // tokens: partitions are whole tiles of every kernel
+constexpr int kMaxPartitions = 256;
+constexpr double kMergeLaunchCost = 1.0;  // a second kernel launch, in tile reads
+constexpr double kBlockStartCost = 1.0;   // a block's first loads (block table, then K/V): no overlap yet
+
+std::mutex& cache_mutex() {
+  static std::mutex m;
+  return m;
+}
+
+}  // namespace
+
+cudaError_t current_device_sm_count(int* num_sms) {
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  static std::map<int, int> cache;
+  std::lock_guard<std::mutex> lock(cache_mutex());
+  const auto it = cache.find(device);
+  if (it != cache.end()) {
+    *num_sms = it->second;
+    return cudaSuccess;
+  }
+  if ((err = cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return err;
+  cache[device] = *num_sms;
+  return cudaSuccess;
+}
+
+cudaError_t kernel_dynamic_smem_limit(const void* kernel, int* limit) {
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  static std::map<std::pair<int, const void*>, int> cache;
+  std::lock_guard<std::mutex> lock(cache_mutex());
+  const auto it = cache.find({device, kernel});
+  if (it != cache.end()) {
+    *limit = it->second;
+    return cudaSuccess;
+  }
+  int optin = 0;
+  cudaFuncAttributes attrs{};
+  if ((err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device)) != cudaSuccess ||
+      (err = cudaFuncGetAttributes(&attrs, kernel)) != cudaSuccess) {
+    return err;
+  }
+  // Static shared memory counts against the opt-in maximum too.
+  const int dynamic_limit = optin - static_cast<int>(attrs.sharedSizeBytes);
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic_limit);
+  if (err != cudaSuccess) return err;
+  cache[{device, kernel}] = dynamic_limit;
+  *limit = dynamic_limit;
+  return cudaSuccess;
+}
+
+cudaError_t kernel_occupancy(const void* kernel, int threads, int smem_bytes, int* blocks_per_sm) {
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  using Key = std::tuple<int, const void*, int, int>;
+  static std::map<Key, int> cache;
+  const Key key{device, kernel, threads, smem_bytes};
+  {
+    std::lock_guard<std::mutex> lock(cache_mutex());
+    const auto it = cache.find(key);
+    if (it != cache.end()) {
+      *blocks_per_sm = it->second;
+      return cudaSuccess;
+    }
+  }
+  int limit = 0;
+  if ((err = kernel_dynamic_smem_limit(kernel, &limit)) != cudaSuccess) return err;
+  int n = 0;
+  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem_bytes);
+  if (err != cudaSuccess) return err;
+  std::lock_guard<std::mutex> lock(cache_mutex());
+  cache[key] = n;
+  *blocks_per_sm = n;
+  return cudaSuccess;
+}
+
+void plan_partitions(tpkit_paged_attention_args* a, int concurrent_blocks, double write_cost) {
+  const int64_t capacity = static_cast<int64_t>(a->max_blocks_per_seq) * a->block_size;
+  const int max_tiles = static_cast<int>(std::max<int64_t>(1, (capacity + kPlanTile - 1) / kPlanTile));
+  const double base = static_cast<double>(a->num_seqs) * a->num_kv_heads * a->m_groups;
+  const double slots = std::max(concurrent_blocks, 1);
+  // No split when the unsplit grid already fills every slot: the blocks past the first wave still find the
+  // memory system saturated, so splitting would only add partial writes and the merge (measured on the
+  // H200: C2 and C5 ran faster unsplit). Otherwise, among splits that fit one wave, a time model: a block
+  // costs its start, its tiles and writing its partial result; the merge reads every partial result once
+  // more and costs a launch.
+  int best_partitions = 1;
+  int best_tiles = max_tiles;
+  double best_cost = max_tiles + kBlockStartCost;
+  const int limit = base >= slots ? 1 : std::min(max_tiles, kMaxPartitions);
+  for (int np = 2; np <= limit; ++np) {
+    const int tiles = (max_tiles + np - 1) / np;
+    if ((max_tiles + tiles - 1) / tiles != np) continue;  // same split as a smaller np
+    const double blocks = base * np;
+    if (blocks > slots) break;
+    const double cost = tiles + write_cost + kBlockStartCost + blocks * write_cost / slots + kMergeLaunchCost;
+    if (cost < best_cost) {
+      best_cost = cost;
+      best_partitions = np;
+      best_tiles = tiles;
+    }
+  }
+  a->num_partitions = best_partitions;
+  a->partition_size = best_tiles * kPlanTile;
+}
+
+}  // namespace tpkit
+
+namespace {
+
+constexpr const char* kSupportedText =
+    "dtypes float16, bfloat16, float32; head sizes 32, 64, 80, 96, 112, 120, 128, 192, 256; block sizes 8, "
+    "16, 32";
+
+bool head_size_supported(int head_size) {
+  switch (head_size) {
+#define TPKIT_CASE(H) case H:
+    TPKIT_FOR_EACH_HEAD_SIZE(TPKIT_CASE)
+#undef TPKIT_CASE
+    return true;
+    default:
+      return false;
+  }
+}
+
+template <typename Vec>
+cudaError_t launch_cache_write(const tpkit_reshape_and_cache_args* a, cudaStream_t stream) {
+  const int vecs = static_cast<int>(static_cast<int64_t>(a->num_kv_heads) * a->head_size * a->elem_size / sizeof(Vec));
+  const int threads = std::min(tpkit::kCacheMaxThreads, std::max(32, (vecs + 31) / 32 * 32));
+  tpkit::reshape_and_cache_kernel<Vec><<<a->num_tokens, threads, 0, stream>>>(*a);
+  return cudaGetLastError();
+}
+
+bool allows_width(const tpkit_reshape_and_cache_args* a, int64_t width) {
+  const int64_t es = a->elem_size;
+  const int64_t strides[] = {a->key_stride_token,  a->key_stride_head,  a->value_stride_token, a->value_stride_head,
+                             a->kc_stride_block,   a->kc_stride_token,  a->kc_stride_head,     a->vc_stride_block,
+                             a->vc_stride_token,   a->vc_stride_head,   static_cast<int64_t>(a->head_size)};
+  for (const int64_t s : strides) {
+    if ((s * es) % width != 0) return false;
+  }
+  const void* ptrs[] = {a->key, a->value, a->key_cache, a->value_cache};
+  for (const void* ptr : ptrs) {
+    if (reinterpret_cast<uintptr_t>(ptr) % width != 0) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+extern "C" {
+
+int tpkit_paged_attention_supported(tpkit_dtype dtype, int head_size, int block_size) {
+  const bool dtype_ok = dtype == TPKIT_FLOAT16 || dtype == TPKIT_BFLOAT16 || dtype == TPKIT_FLOAT32;
+  const bool block_ok = block_size == 8 || block_size == 16 || block_size == 32;
+  return dtype_ok && block_ok && head_size_supported(head_size) ? 1 : 0;
+}
+
+const char* tpkit_paged_attention_supported_text(void) { return kSupportedText; }
+
+cudaError_t tpkit_paged_attention_plan(tpkit_paged_attention_args* a) {
+  if (!tpkit_paged_attention_supported(a->dtype, a->head_size, a->block_size) || a->num_kv_heads <= 0 ||
+      a->num_heads % a->num_kv_heads != 0) {
+    return cudaErrorInvalidValue;
+  }
+  a->group_size = a->num_heads / a->num_kv_heads;
+  int log2 = 0;
+  while ((1 << log2) < a->block_size) ++log2;
+  a->block_size_log2 = log2;
+  a->scale_log2 = a->scale * tpkit::kLog2e;
+  a->tmp_out = nullptr;
+  a->tmp_lse = nullptr;
+  cudaError_t err;
+  switch (a->dtype) {
+    case TPKIT_FLOAT16: err = tpkit::plan_float16(a); break;
+    case TPKIT_BFLOAT16: err = tpkit::plan_bfloat16(a); break;
+    default: err = tpkit::plan_float32(a); break;
+  }
+  // A failed runtime query also sets the thread's last error: clear it so that it is not reported later by
+  // an unrelated launch (ours or the framework's).
+  if (err != cudaSuccess) cudaGetLastError();
+  return err;
+}
+
+cudaError_t tpkit_paged_attention_launch(const tpkit_paged_attention_args* a, cudaStream_t stream) {
+  if (a->num_seqs == 0) return cudaSuccess;
+  if (a->num_partitions > 1 && (a->tmp_out == nullptr || a->tmp_lse == nullptr)) return cudaErrorInvalidValue;
+  switch (a->dtype) {
+    case TPKIT_FLOAT16: return tpkit::launch_float16(a, stream);
+    case TPKIT_BFLOAT16: return tpkit::launch_bfloat16(a, stream);
+    default: return tpkit::launch_float32(a, stream);
+  }
+}
+
+cudaError_t tpkit_reshape_and_cache_launch(const tpkit_reshape_and_cache_args* a, cudaStream_t stream) {
+  if (a->num_tokens == 0 || a->num_kv_heads == 0 || a->head_size == 0) return cudaSuccess;
+  if (allows_width(a, 16)) return launch_cache_write<uint4>(a, stream);
+  if (allows_width(a, 8)) return launch_cache_write<uint2>(a, stream);
+  if (allows_width(a, 4)) return launch_cache_write<uint32_t>(a, stream);
+  if (allows_width(a, 2)) return launch_cache_write<uint16_t>(a, stream);
+  return cudaErrorInvalidValue;
+}
+
+}  // extern "C"

@@ -1,0 +1,149 @@
+// Planning and launching of the attention kernels for one element type, instantiated once per dtype by
+// paged_attention_{f16,bf16,f32}.cu so the three compile in parallel. Torch-free.
+#pragma once
+
+#include <algorithm>
+#include <type_traits>
+
+#include "launch_common.h"
+#include "paged_attention_fp32.cuh"
+#include "paged_attention_merge.cuh"
+#include "paged_attention_mma.cuh"
+
+namespace tpkit {
+
+constexpr int kMaxStages = 4;  // cp_async_wait_dynamic waits with up to 3 groups pending
+
+inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// Calls f(std::integral_constant<int, H>) for the compiled head size H == head_size.
+template <typename F>
+cudaError_t dispatch_head_size(int head_size, F&& f) {
+  switch (head_size) {
+#define TPKIT_CASE(H) \
+  case H:             \
+    return f(std::integral_constant<int, H>{});
+    TPKIT_FOR_EACH_HEAD_SIZE(TPKIT_CASE)
+#undef TPKIT_CASE
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+template <typename T>
+cudaError_t launch_merge(const tpkit_paged_attention_args* a, cudaStream_t stream) {
+  if (a->num_partitions <= 1) return cudaSuccess;
+  const dim3 grid(a->num_heads, a->num_seqs);
+  const size_t smem = static_cast<size_t>(a->num_partitions) * sizeof(float);
+  paged_attention_merge_kernel<T><<<grid, kMergeThreads, smem, stream>>>(*a);
+  return cudaGetLastError();
+}
+
+template <typename T, int HEAD>
+cudaError_t plan_mma(tpkit_paged_attention_args* a) {
+  using L = MmaLayout<HEAD>;
+  int num_sms = 0;
+  cudaError_t err = current_device_sm_count(&num_sms);
+  if (err != cudaSuccess) return err;
+  // Query rows in 16-row mma tiles; a thread block takes up to 8 tiles (128 heads of one KV head).
+  const int row_tiles = ceil_div(a->group_size, 16);
+  const int m_groups = ceil_div(row_tiles, 8);
+  const int warps_m = ceil_div(row_tiles, m_groups);
+  const int warps_n = warps_m <= 2 ? 4 : (warps_m <= 4 ? 2 : 1);
+  const int num_warps = warps_m * warps_n;
+  const int rows = warps_m * 16;
+  const int stage_bytes = 2 * kTileTokens * L::kRowStride * 16;
+  const int q_bytes = rows * L::kRowStride * 16;
+  const int epilogue_bytes = (2 * num_warps * 16 + 2 * rows) * 4 + num_warps * 16 * L::kOutStride * 4;
+  // Pipeline depth against resident blocks (registers and shared memory decide how many fit). Long blocks
+  // of small groups (one row tile, >= 32 tiles per sequence) take the most 64-token tiles in flight per
+  // multiprocessor, (stages - 1) x resident blocks. Otherwise a depth that keeps more blocks resident wins
+  // while it keeps at least 2/3 as many tiles in flight: more warps hide the start and end of short blocks
+  // and the tensor-core work of large groups. (Measured on the H200, head 128: C1 ran 275 us with 2 blocks
+  // x 3 stages and 364 us with 3 x 2; C5 155 us with 3 x 2 and 170 us with 2 x 3; C6 74 us with 2 x 2 and
+  // 102 us with 1 x 4.)
+  const int64_t capacity = static_cast<int64_t>(a->max_blocks_per_seq) * a->block_size;
+  const bool prefer_depth = warps_m == 1 && capacity >= 32 * kTileTokens;
+  const void* kernel = reinterpret_cast<const void*>(&paged_attention_mma_kernel<T, HEAD>);
+  int smem_limit = 0;
+  if ((err = kernel_dynamic_smem_limit(kernel, &smem_limit)) != cudaSuccess) return err;
+  int stages = 0, smem = 0, blocks_per_sm = 0;
+  for (int s = 2; s <= kMaxStages; ++s) {
+    const int bytes = q_bytes + std::max(s * stage_bytes, epilogue_bytes);
+    if (bytes > smem_limit) break;
+    int resident = 0;
+    err = kernel_occupancy(kernel, num_warps * 32, bytes, &resident);
+    if (err != cudaSuccess) return err;
+    const int in_flight = resident * (s - 1), best = blocks_per_sm * (stages - 1);
+    bool better;
+    if (prefer_depth || resident == blocks_per_sm) {
+      better = in_flight > best;
+    } else {
+      better = resident > blocks_per_sm ? 3 * in_flight >= 2 * best : 2 * in_flight > 3 * best;
+    }
+    if (stages == 0 || better) {
+      stages = s;
+      smem = bytes;
+      blocks_per_sm = resident;
+    }
+  }
+  if (stages == 0 || blocks_per_sm == 0) return cudaErrorInvalidConfiguration;
+  a->m_groups = m_groups;
+  a->rows_per_cta = rows;
+  a->warps_m = warps_m;
+  a->warps_n = warps_n;
+  a->num_stages = stages;
+  a->threads = num_warps * 32;
+  a->smem_bytes = smem;
+  const int rows_written = std::min(a->group_size, rows);
+  const double write_cost = rows_written * (HEAD + 1) * 4.0 / (2.0 * kTileTokens * HEAD * sizeof(T));
+  plan_partitions(a, num_sms * std::max(blocks_per_sm, 1), write_cost);
+  return cudaSuccess;
+}
+
+template <typename T, int HEAD>
+cudaError_t launch_mma(const tpkit_paged_attention_args* a, cudaStream_t stream) {
+  const dim3 grid(a->num_kv_heads * a->m_groups, a->num_partitions, a->num_seqs);
+  paged_attention_mma_kernel<T, HEAD><<<grid, a->threads, a->smem_bytes, stream>>>(*a);
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  return launch_merge<T>(a, stream);
+}
+
+template <int HEAD>
+cudaError_t plan_fp32(tpkit_paged_attention_args* a) {
+  int num_sms = 0;
+  cudaError_t err = current_device_sm_count(&num_sms);
+  if (err != cudaSuccess) return err;
+  const int m_groups = ceil_div(a->group_size, kFp32Rows);
+  const int rows = ceil_div(a->group_size, m_groups);
+  const int smem = fp32_smem_floats(rows, HEAD) * 4;
+  const void* kernel = reinterpret_cast<const void*>(&paged_attention_fp32_kernel<HEAD>);
+  int smem_limit = 0;
+  if ((err = kernel_dynamic_smem_limit(kernel, &smem_limit)) != cudaSuccess) return err;
+  if (smem > smem_limit) return cudaErrorInvalidConfiguration;
+  int blocks_per_sm = 0;
+  err = kernel_occupancy(kernel, kFp32Threads, smem, &blocks_per_sm);
+  if (err != cudaSuccess) return err;
+  a->m_groups = m_groups;
+  a->rows_per_cta = rows;
+  a->warps_m = 1;
+  a->warps_n = kFp32Threads / 32;
+  a->num_stages = 1;
+  a->threads = kFp32Threads;
+  a->smem_bytes = smem;
+  const double write_cost = rows * (HEAD + 1) * 4.0 / (2.0 * kTileTokens * HEAD * 4.0);
+  plan_partitions(a, num_sms * std::max(blocks_per_sm, 1), write_cost);
+  return cudaSuccess;
+}
+
+template <int HEAD>
+cudaError_t launch_fp32(const tpkit_paged_attention_args* a, cudaStream_t stream) {
+  const dim3 grid(a->num_kv_heads * a->m_groups, a->num_partitions, a->num_seqs);
+  paged_attention_fp32_kernel<HEAD><<<grid, a->threads, a->smem_bytes, stream>>>(*a);
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  return launch_merge<float>(a, stream);
+}
+
+}  // namespace tpkit

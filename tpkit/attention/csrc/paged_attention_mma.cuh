@@ -1,0 +1,343 @@
+// Decode attention for fp16/bf16 on tensor cores. Torch-free.
+//
+// One thread block per (sequence, KV head, partition of the context) serves every query head of that KV
+// head's group, so each K/V byte is read from device memory once. The group's queries are the rows of a
+// matrix (padded to 16): S = Q K^T and O += P V are m16n8k16 mma.sync products fed by ldmatrix from shared
+// memory. K/V pages stream through a multi-stage cp.async pipeline of 64-token tiles; masked tokens are
+// zero-filled. Warps split the query rows in 16-row tiles (warps_m) and each tile's tokens (warps_n), each
+// keeping its own online softmax; the epilogue merges the warps' partial results through shared memory and
+// writes either the output or, with split-K, the partition's normalised output and log-sum-exp.
+#pragma once
+
+#include <math.h>
+
+#include "dtype_traits.cuh"
+#include "paged_attention.h"
+#include "ptx.cuh"
+
+namespace tpkit {
+
+constexpr int kTileTokens = 64;      // tokens per pipeline stage
+constexpr int kLoaderThreads = 128;  // threads that issue the cp.async copies (every config has >= 128)
+constexpr int kMaxThreads = 256;
+constexpr int kMinBlockSize = 8;  // smallest supported KV block: at most 8 pages per tile
+constexpr int kPageRing = 8;      // page-id slots, one per tile; more than the deepest pipeline (4) + 1
+
+// Shared-memory layout of one row (a token's K or V, or a query) in 16-byte chunks.
+template <int HEAD>
+struct MmaLayout {
+  static_assert(HEAD % 8 == 0, "head size must be a multiple of 8");
+  static constexpr int kChunks = HEAD / 8;                // chunks of real data
+  static constexpr int kPadded = (HEAD + 15) / 16 * 16;   // head size rounded up to the mma k-step
+  static constexpr int kPaddedChunks = kPadded / 8;       // even
+  static constexpr int kRowStride = kPaddedChunks + 1;    // odd: ldmatrix's 8 rows hit 8 distinct bank groups
+  static constexpr int kKSteps = kPadded / 16;            // k-steps of S = Q K^T
+  static constexpr int kNTiles = kPadded / 8;             // 8-column tiles of O
+  static constexpr int kOutStride = kPadded + 4;          // float row stride of the epilogue buffer
+  static constexpr bool kQueryInRegisters = kKSteps <= 4; // hold Q fragments (<= 16 registers)
+};
+
+template <typename T, int HEAD>
+__global__ void __launch_bounds__(kMaxThreads) paged_attention_mma_kernel(const tpkit_paged_attention_args p) {
+  using L = MmaLayout<HEAD>;
+  using Traits = DTypeTraits<T>;
+  constexpr int C = L::kChunks;
+  constexpr int RS = L::kRowStride;
+  constexpr int kLoadIters = (kTileTokens * C + kLoaderThreads - 1) / kLoaderThreads;
+
+  extern __shared__ uint4 smem[];
+  // KV heads vary fastest, so the blocks reading the same pages (one per KV head) run side by side.
+  const int kv_head = blockIdx.x / p.m_groups;
+  const int m_group = blockIdx.x - kv_head * p.m_groups;
+  const int partition = blockIdx.y;
+  const int seq = blockIdx.z;
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int warp_m = warp / p.warps_n;
+  const int warp_n = warp - warp_m * p.warps_n;
+  const int num_warps = blockDim.x >> 5;
+  const int rows = p.rows_per_cta;
+  const int first_row = m_group * rows;  // within the group
+  const int rows_valid = min(rows, p.group_size - first_row);
+  const int head0 = kv_head * p.group_size + first_row;
+
+  // Clamped to the table's capacity: a bad length must not read past the sequence's table row.
+  const int seq_len = min(p.seq_lens[seq], p.max_blocks_per_seq << p.block_size_log2);
+  const int start = partition * p.partition_size;
+  const int end = min(start + p.partition_size, seq_len);
+  const bool split = p.num_partitions > 1;
+  // The merge only reads partitions that hold tokens.
+  if (split && start >= seq_len) return;
+  const int num_tiles = end > start ? (end - start + kTileTokens - 1) / kTileTokens : 0;
+  const int num_stages = p.num_stages;
+
+  uint4* q_s = smem;                                 // [rows][RS]
+  uint4* k_s = q_s + rows * RS;                      // [num_stages][kTileTokens][RS]
+  uint4* v_s = k_s + num_stages * kTileTokens * RS;  // [num_stages][kTileTokens][RS]
+
+  const T* k_base = static_cast<const T*>(p.key_cache) + static_cast<int64_t>(kv_head) * p.k_stride_head;
+  const T* v_base = static_cast<const T*>(p.value_cache) + static_cast<int64_t>(kv_head) * p.v_stride_head;
+  const int* bt_row = p.block_tables + static_cast<int64_t>(seq) * p.bt_stride;
+  const int bs_log2 = p.block_size_log2;
+  const int bs_mask = (1 << bs_log2) - 1;
+  const int pages_per_tile = kTileTokens >> bs_log2;
+
+  // Physical pages of the tiles ahead, one ring slot per tile: the block-table reads of a tile are issued
+  // an iteration before its copies, so no copy waits on a dependent global load.
+  __shared__ int page_s[kPageRing][kTileTokens / kMinBlockSize];
+  auto page_of = [&](int tile, int j) -> int {  // j-th page of tile, or -1 past the end
+    const int pos = start + tile * kTileTokens + (j << bs_log2);
+    return (tile < num_tiles && pos < end) ? __ldg(bt_row + (pos >> bs_log2)) : -1;
+  };
+
+  // Copies tile `tile` (64 tokens of K and V) into pipeline stage `stage`; zero-fills masked tokens.
+  auto issue_tile = [&](int tile, int stage) {
+    if (tid >= kLoaderThreads) return;
+    const int tile_start = start + tile * kTileTokens;
+    const int* pages = page_s[tile % kPageRing];
+    uint4* k_dst = k_s + stage * kTileTokens * RS;
+    uint4* v_dst = v_s + stage * kTileTokens * RS;
+#pragma unroll
+    for (int it = 0; it < kLoadIters; ++it) {
+      const int i = tid + it * kLoaderThreads;
+      if ((kTileTokens * C) % kLoaderThreads == 0 || i < kTileTokens * C) {
+        const int t = i / C;
+        const int c = i - t * C;
+        const int page = pages[t >> bs_log2];
+        const bool valid = tile_start + t < end && static_cast<unsigned>(page) < static_cast<unsigned>(p.num_blocks);
+        const int64_t off = t & bs_mask;
+        const T* ksrc = valid ? k_base + page * p.k_stride_block + off * p.k_stride_token + c * 8 : k_base;
+        const T* vsrc = valid ? v_base + page * p.v_stride_block + off * p.v_stride_token + c * 8 : v_base;
+        cp_async_16(smem_addr(k_dst + t * RS + c), ksrc, valid);
+        cp_async_16(smem_addr(v_dst + t * RS + c), vsrc, valid);
+      }
+    }
+  };
+
+  // Prologue: pages of the first num_stages tiles, then the query (its own cp.async group, the first),
+  // then tiles 0 .. num_stages - 2, all in flight together.
+  for (int i = tid; i < num_stages * pages_per_tile; i += blockDim.x) {
+    const int tile = i / pages_per_tile;
+    page_s[tile % kPageRing][i - tile * pages_per_tile] = page_of(tile, i - tile * pages_per_tile);
+  }
+  {
+    const T* q_base = static_cast<const T*>(p.query) + static_cast<int64_t>(seq) * p.q_stride_seq;
+    for (int i = tid; i < rows * L::kPaddedChunks; i += blockDim.x) {
+      const int r = i / L::kPaddedChunks;
+      const int c = i - r * L::kPaddedChunks;
+      const bool valid = r < rows_valid && c < C;  // padding rows and the head-120 pad chunk: zeros
+      const T* src = valid ? q_base + static_cast<int64_t>(head0 + r) * p.q_stride_head + c * 8 : q_base;
+      cp_async_16(smem_addr(q_s + r * RS + c), src, valid);
+    }
+    cp_async_commit();
+    if constexpr (L::kPaddedChunks > C) {
+      // The k-step padding column (head size 120) is never copied into: zero it once in every stage.
+      for (int i = tid; i < 2 * num_stages * kTileTokens; i += blockDim.x) k_s[i * RS + C] = make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+  __syncthreads();  // page_s
+  for (int s = 0; s < num_stages - 1; ++s) {
+    if (s < num_tiles) issue_tile(s, s);
+    cp_async_commit();
+  }
+  cp_async_wait_dynamic(num_stages - 1);  // the query's group
+  __syncthreads();  // q_s and the zeroed padding are visible
+
+  const bool warp_active = warp_m * 16 < rows_valid;
+  const int row0 = warp_m * 16 + (lane >> 2);  // this thread's two rows of the warp's 16-row tile
+  const int row1 = row0 + 8;
+  float slope0 = 0.f, slope1 = 0.f;  // ALiBi slopes in the log2 domain (0: no ALiBi or padding row)
+  if (p.alibi_slopes != nullptr) {
+    if (row0 < rows_valid) slope0 = p.alibi_slopes[head0 + row0] * kLog2e;
+    if (row1 < rows_valid) slope1 = p.alibi_slopes[head0 + row1] * kLog2e;
+  }
+  const float last_pos = static_cast<float>(seq_len - 1);
+
+  uint32_t q_frag[L::kQueryInRegisters ? L::kKSteps : 1][4];
+  const uint32_t q_addr = smem_addr(q_s + (warp_m * 16 + (lane & 15)) * RS + (lane >> 4));
+  if constexpr (L::kQueryInRegisters) {
+#pragma unroll
+    for (int ks = 0; ks < L::kKSteps; ++ks) ldmatrix_x4(q_frag[ks], q_addr + ks * 2 * 16);
+  }
+
+  float o[L::kNTiles][4];
+#pragma unroll
+  for (int n = 0; n < L::kNTiles; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  float m0 = -INFINITY, m1 = -INFINITY;  // running max (log2 domain) of rows row0, row1
+  float l0 = 0.f, l1 = 0.f;              // this thread's share of the running sums
+
+  const int tokens_per_warp = kTileTokens / p.warps_n;
+  // ldmatrix lane offsets (in chunks) inside a 16-token slice: K non-transposed, V transposed.
+  const int k_lane_off = ((lane & 7) + ((lane >> 4) << 3)) * RS + ((lane >> 3) & 1);
+  const int v_lane_off = ((lane & 7) + (((lane >> 3) & 1) << 3)) * RS + (lane >> 4);
+
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    // Block-table reads for tile + num_stages: in flight during this iteration, stored at its end.
+    const int ahead = tile + num_stages;
+    const int ahead_page = tid < pages_per_tile ? page_of(ahead, tid) : -1;
+    const int next = tile + num_stages - 1;
+    if (next < num_tiles) issue_tile(next, next % num_stages);
+    cp_async_commit();
+    cp_async_wait_dynamic(num_stages - 1);
+    __syncthreads();
+
+    const int stage = tile % num_stages;
+    const int tile_start = start + tile * kTileTokens;
+    const uint32_t k_stage = smem_addr(k_s + stage * kTileTokens * RS);
+    const uint32_t v_stage = smem_addr(v_s + stage * kTileTokens * RS);
+    if (warp_active) {
+      for (int tok0 = warp_n * tokens_per_warp; tok0 < (warp_n + 1) * tokens_per_warp; tok0 += 16) {
+        if (tile_start + tok0 >= end) break;  // the rest of this warp's slice is past the end
+
+        float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        const uint32_t k_addr = k_stage + (tok0 * RS + k_lane_off) * 16;
+#pragma unroll
+        for (int ks = 0; ks < L::kKSteps; ++ks) {
+          uint32_t b[4];
+          ldmatrix_x4(b, k_addr + ks * 2 * 16);
+          if constexpr (L::kQueryInRegisters) {
+            mma_m16n8k16<Traits::kIsBF16>(s[0], q_frag[ks], b[0], b[1]);
+            mma_m16n8k16<Traits::kIsBF16>(s[1], q_frag[ks], b[2], b[3]);
+          } else {
+            uint32_t a[4];
+            ldmatrix_x4(a, q_addr + ks * 2 * 16);
+            mma_m16n8k16<Traits::kIsBF16>(s[0], a, b[0], b[1]);
+            mma_m16n8k16<Traits::kIsBF16>(s[1], a, b[2], b[3]);
+          }
+        }
+
+        // Scores in the log2 domain, ALiBi, mask past the partition's end.
+        const int pos_base = tile_start + tok0 + ((lane & 3) << 1);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int pos = pos_base + j * 8 + (e & 1);
+            const float slope = e < 2 ? slope0 : slope1;
+            const float v = fmaf(s[j][e], p.scale_log2, slope * (static_cast<float>(pos) - last_pos));
+            s[j][e] = pos < end ? v : -INFINITY;
+          }
+        }
+        float mx0 = fmaxf(fmaxf(s[0][0], s[0][1]), fmaxf(s[1][0], s[1][1]));
+        float mx1 = fmaxf(fmaxf(s[0][2], s[0][3]), fmaxf(s[1][2], s[1][3]));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        const float new_m0 = fmaxf(m0, mx0);
+        const float new_m1 = fmaxf(m1, mx1);
+        // A row with no unmasked token yet keeps -inf; subtract 0 then, not -inf (inf - inf = NaN).
+        const float use_m0 = new_m0 == -INFINITY ? 0.f : new_m0;
+        const float use_m1 = new_m1 == -INFINITY ? 0.f : new_m1;
+        const float corr0 = fast_exp2(m0 - use_m0);
+        const float corr1 = fast_exp2(m1 - use_m1);
+        m0 = new_m0;
+        m1 = new_m1;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          s[j][0] = fast_exp2(s[j][0] - use_m0);
+          s[j][1] = fast_exp2(s[j][1] - use_m0);
+          s[j][2] = fast_exp2(s[j][2] - use_m1);
+          s[j][3] = fast_exp2(s[j][3] - use_m1);
+        }
+        l0 = fmaf(l0, corr0, (s[0][0] + s[0][1]) + (s[1][0] + s[1][1]));
+        l1 = fmaf(l1, corr1, (s[0][2] + s[0][3]) + (s[1][2] + s[1][3]));
+        // Once the running max settles, corrections are exactly 1: skip the rescale for the whole warp.
+        if (__any_sync(0xffffffffu, corr0 != 1.f || corr1 != 1.f)) {
+#pragma unroll
+          for (int n = 0; n < L::kNTiles; ++n) {
+            o[n][0] *= corr0;
+            o[n][1] *= corr0;
+            o[n][2] *= corr1;
+            o[n][3] *= corr1;
+          }
+        }
+
+        // P (the accumulator layout of S) is already the A-operand layout of P V.
+        uint32_t a[4];
+        a[0] = Traits::pack2(s[0][0], s[0][1]);
+        a[1] = Traits::pack2(s[0][2], s[0][3]);
+        a[2] = Traits::pack2(s[1][0], s[1][1]);
+        a[3] = Traits::pack2(s[1][2], s[1][3]);
+        const uint32_t v_addr = v_stage + (tok0 * RS + v_lane_off) * 16;
+#pragma unroll
+        for (int np = 0; np < L::kNTiles / 2; ++np) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, v_addr + np * 2 * 16);
+          mma_m16n8k16<Traits::kIsBF16>(o[2 * np], a, b[0], b[1]);
+          mma_m16n8k16<Traits::kIsBF16>(o[2 * np + 1], a, b[2], b[3]);
+        }
+      }
+    }
+    if (tid < pages_per_tile) page_s[ahead % kPageRing][tid] = ahead_page;
+    __syncthreads();  // this stage is refilled, and page_s read, by the next iteration
+  }
+  cp_async_wait<0>();  // trailing (empty) groups; the stage buffers become the epilogue's
+  __syncthreads();
+
+  // Epilogue: merge the warps_n partial softmaxes of each row tile.
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  float* red_m = reinterpret_cast<float*>(k_s);  // [num_warps][16]
+  float* red_l = red_m + num_warps * 16;          // [num_warps][16]
+  float* row_m = red_l + num_warps * 16;          // [rows]
+  float* row_l = row_m + rows;                    // [rows]
+  float* red_o = row_l + rows;                    // [num_warps][16][kOutStride]
+  if ((lane & 3) == 0) {
+    red_m[warp * 16 + (lane >> 2)] = m0;
+    red_m[warp * 16 + (lane >> 2) + 8] = m1;
+    red_l[warp * 16 + (lane >> 2)] = l0;
+    red_l[warp * 16 + (lane >> 2) + 8] = l1;
+  }
+  __syncthreads();
+  if (tid < rows) {
+    const int wm = tid >> 4;
+    const int r = tid & 15;
+    float mx = -INFINITY;
+    for (int wn = 0; wn < p.warps_n; ++wn) mx = fmaxf(mx, red_m[(wm * p.warps_n + wn) * 16 + r]);
+    float sum = 0.f;
+    for (int wn = 0; wn < p.warps_n; ++wn) {
+      const float m = red_m[(wm * p.warps_n + wn) * 16 + r];
+      if (m != -INFINITY) sum += red_l[(wm * p.warps_n + wn) * 16 + r] * fast_exp2(m - mx);
+    }
+    row_m[tid] = mx;
+    row_l[tid] = sum;
+  }
+  __syncthreads();
+  {
+    const float f0 = m0 == -INFINITY ? 0.f : fast_exp2(m0 - row_m[row0]);
+    const float f1 = m1 == -INFINITY ? 0.f : fast_exp2(m1 - row_m[row1]);
+    float* ro = red_o + warp * 16 * L::kOutStride;
+#pragma unroll
+    for (int n = 0; n < L::kNTiles; ++n) {
+      const int col = n * 8 + ((lane & 3) << 1);
+      *reinterpret_cast<float2*>(ro + (lane >> 2) * L::kOutStride + col) = make_float2(o[n][0] * f0, o[n][1] * f0);
+      *reinterpret_cast<float2*>(ro + ((lane >> 2) + 8) * L::kOutStride + col) =
+          make_float2(o[n][2] * f1, o[n][3] * f1);
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < rows_valid * HEAD; i += blockDim.x) {
+    const int r = i / HEAD;
+    const int d = i - r * HEAD;
+    const int wm = r >> 4;
+    float acc = 0.f;
+    for (int wn = 0; wn < p.warps_n; ++wn) acc += red_o[((wm * p.warps_n + wn) * 16 + (r & 15)) * L::kOutStride + d];
+    const float sum = row_l[r];
+    const float val = sum > 0.f ? acc / sum : 0.f;
+    const int head = head0 + r;
+    if (!split) {
+      T* out = static_cast<T*>(p.out) + static_cast<int64_t>(seq) * p.o_stride_seq + static_cast<int64_t>(head) * p.o_stride_head;
+      out[d] = Traits::from_float(val);
+    } else {
+      const int64_t row_index = (static_cast<int64_t>(seq) * p.num_heads + head) * p.num_partitions + partition;
+      p.tmp_out[row_index * HEAD + d] = val;
+      if (d == 0) p.tmp_lse[row_index] = sum > 0.f ? row_m[r] + log2f(sum) : -INFINITY;
+    }
+  }
+}
+
+}  // namespace tpkit
