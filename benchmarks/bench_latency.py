@@ -1,0 +1,402 @@
+"""End-to-end generation latency of tpkit's models, in the spirit of the seeds' ``benchmark_latency.py``.
+
+    PYTHONPATH=. python benchmarks/bench_latency.py            # one GPU: the shapes below, bf16 (minutes)
+    PYTHONPATH=. python benchmarks/bench_latency.py --small    # tiny shapes on the CPU, under a minute
+
+Three parts, each reported even when another fails:
+
+1. Llama-3-8B shapes (32 layers, hidden 4096, 32 heads, 8 KV heads, MLP 14336, vocab 128256), random bf16
+   weights, batch 8, 128 prompt tokens, 128 new tokens (EOS ignored), greedy; average latency of 3 runs
+   after a warm-up: tpkit eager, tpkit with the decode step replayed from a CUDA graph (and with the step
+   also through ``torch.compile``), transformers ``generate`` with its default dynamic cache and with
+   ``cache_implementation="static"``, against the floor: every decode step reads all weights once at the
+   device copy bandwidth (measured here; 0.48 s in the anchor, ../shared/anchors/e2e_latency_h200_*.md).
+2. KV blocks that fit in the GPU memory left by a StarCoder-shaped GPT-BigCode (48 heads, multi-query, 40
+   layers, hidden 6144; built on the meta device): tpkit's cache holds the one KV head, against a cache
+   that stores a KV head per query head (the seeds' MQA win: 49 vs 20280 blocks in their setup).
+3. A BART-large-shaped model, random weights, batch 12, encoder inputs of ~66 tokens, 32 new tokens: time
+   per output token with ``QKVCrossParallelLinear`` against the naive cross projection (a
+   ``QKVParallelLinear`` run on the decoder states and again on the encoder states, two thirds thrown away).
+
+Prints the tables last and writes everything as JSON to ``--out`` (default benchmarks/results/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import statistics
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tpkit.attention import PagedKVCache
+from tpkit.models import BartForConditionalGeneration, GPTBigCodeForCausalLM, LlamaForCausalLM
+from tpkit.parallel_layers import QKVCrossParallelLinear, QKVParallelLinear
+
+ANCHOR_FLOOR_S = 0.48  # ../shared/anchors/e2e_latency_h200_2026-11-29.md
+ANCHOR_TRANSFORMERS_S = {"dynamic": 3.55, "static": 1.06}
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "hidden_act": "silu",
+    "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001,
+}
+STARCODER = {
+    "architectures": ["GPTBigCodeForCausalLM"], "model_type": "gpt_bigcode", "vocab_size": 49152,
+    "n_embd": 6144, "n_inner": 24576, "n_layer": 40, "n_head": 48, "n_positions": 8192, "multi_query": True,
+    "activation_function": "gelu_pytorch_tanh", "bos_token_id": 0, "eos_token_id": 0,
+}
+BART_LARGE = {
+    "architectures": ["BartForConditionalGeneration"], "model_type": "bart", "vocab_size": 50265,
+    "d_model": 1024, "encoder_layers": 12, "decoder_layers": 12, "encoder_attention_heads": 16,
+    "decoder_attention_heads": 16, "encoder_ffn_dim": 4096, "decoder_ffn_dim": 4096,
+    "max_position_embeddings": 1024, "activation_function": "gelu", "scale_embedding": False,
+    "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2, "decoder_start_token_id": 2,
+}
+SMALL_LLAMA = LLAMA3_8B | {"vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512,
+                           "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
+                           "max_position_embeddings": 512, "bos_token_id": 1, "eos_token_id": 2}
+SMALL_BART = BART_LARGE | {"vocab_size": 1000, "d_model": 128, "encoder_layers": 2, "decoder_layers": 2,
+                           "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 256,
+                           "decoder_ffn_dim": 256}
+GPU_MEMORY_UTILIZATION = 0.9  # as the seeds' vLLM default
+ACTIVATION_RESERVE_BYTES = 2 * 2**30  # activations and workspaces of a forward, kept out of the KV budget
+
+
+class Setup:
+    """Sizes and device of one run: the real shapes on a GPU, or ``--small`` ones on the CPU."""
+
+    def __init__(self, small: bool) -> None:
+        self.small = small
+        self.device = torch.device("cpu") if small else torch.device("cuda", torch.cuda.current_device())
+        self.dtype = torch.float32 if small else torch.bfloat16
+        self.llama = SMALL_LLAMA if small else LLAMA3_8B
+        self.batch, self.input_len, self.output_len = (4, 16, 16) if small else (8, 128, 128)
+        self.bart = SMALL_BART if small else BART_LARGE
+        self.bart_batch, self.bart_new_tokens = (4, 8) if small else (12, 32)
+        self.bart_input_lens = [60 + (7 * i) % 13 for i in range(self.bart_batch)]  # ragged, mean ~66
+        self.warmup, self.iterations = 1, 3
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def timed_runs(setup: Setup, fn: Callable[[], Any]) -> tuple[list[float], Any]:
+    """Seconds of each of ``setup.iterations`` runs after ``setup.warmup`` warm-up runs; the last result."""
+    for _ in range(setup.warmup):
+        result = fn()
+    times = []
+    for _ in range(setup.iterations):
+        setup.sync()
+        start = time.perf_counter()
+        result = fn()
+        setup.sync()
+        times.append(time.perf_counter() - start)
+    return times, result
+
+
+def copy_bandwidth(setup: Setup) -> float:
+    """Bytes per second of a large clone (read + written), the floor's yardstick."""
+    numel = (64 if setup.small else 1024) * 2**20 // 2
+    x = torch.empty(numel, dtype=torch.bfloat16, device=setup.device)
+    times, _ = timed_runs(setup, x.clone)
+    return 2 * x.nbytes / min(times)
+
+
+def _free_memory(setup: Setup) -> None:
+    gc.collect()
+    if setup.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# 1. Llama-3-8B latency ----------------------------------------------------------------------------------
+def llama_latency(setup: Setup, args: argparse.Namespace) -> dict:
+    torch.manual_seed(0)
+    config = dict(setup.llama)
+    prompts = torch.randint(0, config["vocab_size"], (setup.batch, setup.input_len)).tolist()
+    # One model on the device at a time: each part's model is gone when its function returns.
+    result = tpkit_latency(setup, args, config, prompts)
+    _free_memory(setup)
+    result["rows"] += transformers_latency(setup, config, prompts)
+    _free_memory(setup)
+    return result
+
+
+def tpkit_latency(setup: Setup, args: argparse.Namespace, config: dict, prompts: list[list[int]]) -> dict:
+    model = LlamaForCausalLM(config, dtype=setup.dtype, device=setup.device).eval()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    bandwidth = copy_bandwidth(setup)
+    floor_s = weight_bytes / bandwidth * setup.output_len
+    rows: list[dict] = []
+    variants = [("tpkit eager", {})]
+    if setup.device.type == "cuda":
+        variants.append(("tpkit CUDA graph", {"cuda_graph": True}))
+        if not args.no_compile:
+            variants.append(("tpkit CUDA graph + compile", {"cuda_graph": True, "compile": True}))
+    eager_tokens = None
+    for name, options in variants:
+        row = _run_row(name, setup, lambda o=options: model.generate(prompts, setup.output_len,
+                                                                      ignore_eos=True, **o))
+        if row.get("result") is not None:
+            tokens = row.pop("result")
+            eager_tokens = eager_tokens or tokens
+            row["same_tokens_as_eager"] = _agreement(tokens, eager_tokens)
+        rows.append(row)
+    model.clear_kv_cache()
+    return {"weight_bytes": weight_bytes, "copy_GBps": bandwidth / 1e9, "floor_s": floor_s, "rows": rows}
+
+
+def transformers_latency(setup: Setup, config: dict, prompts: list[list[int]]) -> list[dict]:
+    try:
+        import transformers
+    except ImportError:
+        return [{"impl": "transformers", "error": "transformers is not installed"}]
+    hf_config = transformers.LlamaConfig(**{k: v for k, v in config.items()
+                                            if k not in ("architectures", "model_type")})
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(setup.dtype)
+    try:
+        with torch.device(setup.device):
+            hf_model = transformers.LlamaForCausalLM(hf_config).eval()
+    finally:
+        torch.set_default_dtype(default_dtype)
+    input_ids = torch.tensor(prompts, device=setup.device)
+    n = setup.output_len
+    rows = []
+    for name, options in [("transformers generate, dynamic cache", {}),
+                          ("transformers generate, static cache", {"cache_implementation": "static"})]:
+        def run(o: dict = options) -> None:
+            with torch.inference_mode():
+                hf_model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=n,
+                                  min_new_tokens=n, do_sample=False, num_beams=1,
+                                  pad_token_id=config["eos_token_id"], **o)
+        row = _run_row(name, setup, run)
+        row.pop("result", None)
+        rows.append(row)
+    return rows
+
+
+def _run_row(name: str, setup: Setup, fn: Callable[[], Any]) -> dict:
+    print(f"  {name} ...", flush=True)
+    try:
+        times, result = timed_runs(setup, fn)
+    except Exception as error:  # noqa: BLE001 - one failing variant must not hide the others
+        traceback.print_exc()
+        return {"impl": name, "error": f"{type(error).__name__}: {error}"[:300]}
+    return {"impl": name, "runs_s": times, "avg_s": statistics.fmean(times), "result": result}
+
+
+def _agreement(tokens: list[list[int]], reference: list[list[int]]) -> float:
+    pairs = [(a, b) for x, y in zip(tokens, reference, strict=True) for a, b in zip(x, y, strict=True)]
+    return sum(a == b for a, b in pairs) / len(pairs)
+
+
+# 2. KV blocks for a StarCoder-shaped model ----------------------------------------------------------------
+def mqa_kv_blocks(setup: Setup) -> dict:
+    """Blocks of 16 tokens that fit next to the weights, built on the meta device (no memory used)."""
+    model = GPTBigCodeForCausalLM(STARCODER, dtype=torch.bfloat16, device="meta")
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if setup.device.type == "cuda":
+        total = torch.cuda.get_device_properties(setup.device).total_memory
+        where = torch.cuda.get_device_name(setup.device)
+    else:
+        total, where = 80 * 2**30, "a nominal 80 GiB GPU (--small)"
+    budget = int(total * GPU_MEMORY_UTILIZATION) - weight_bytes - ACTIVATION_RESERVE_BYTES
+    blocks = {}
+    for label, num_kv_heads in [("tpkit (MQA: 1 KV head)", model.num_kv_heads),
+                                (f"a KV head per query head ({model.num_heads})", model.num_heads)]:
+        cache = PagedKVCache.from_memory_budget(budget, model.num_layers, model.kv_block_size, num_kv_heads,
+                                                model.head_size, dtype=torch.bfloat16, device="meta")
+        blocks[label] = cache.num_blocks
+    return {"device": where, "total_bytes": total, "weight_bytes": weight_bytes, "kv_budget_bytes": budget,
+            "block_size": model.kv_block_size, "blocks": blocks}
+
+
+# 3. BART-large cross-attention projection ------------------------------------------------------------------
+class NaiveCrossQKV(nn.Module):
+    """Cross-attention projections the naive way, on the same parameters: the full QKV projection of the
+    decoder states (q kept) and, at prefill, of the encoder states (k, v kept)."""
+
+    def __init__(self, fused: QKVCrossParallelLinear) -> None:
+        super().__init__()
+        self.fused = fused
+
+    def forward(self, decoder_hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None):
+        q_size, kv_size = self.fused.q_size, self.fused.kv_size
+        q = QKVParallelLinear.forward(self.fused, decoder_hidden_states)[..., :q_size]
+        if encoder_hidden_states is None:
+            return q, None, None
+        k, v = QKVParallelLinear.forward(self.fused, encoder_hidden_states)[..., q_size:].split(
+            [kv_size, kv_size], dim=-1)
+        return q, k, v
+
+
+def bart_cross_qkv(setup: Setup) -> dict:
+    torch.manual_seed(0)
+    model = BartForConditionalGeneration(setup.bart, dtype=setup.dtype, device=setup.device).eval()
+    prompts = [torch.randint(3, setup.bart["vocab_size"], (n,)).tolist() for n in setup.bart_input_lens]
+    new_tokens = setup.bart_new_tokens
+    modes = [("eager", {})] + ([("CUDA graph", {"cuda_graph": True})] if setup.device.type == "cuda" else [])
+    rows = []
+    fused_tokens: dict[str, list[list[int]]] = {}
+    for projection in ("QKVCrossParallelLinear", "naive QKVParallelLinear x2"):
+        if projection.startswith("naive"):
+            model.clear_kv_cache()  # captured graphs hold the fused projection
+            for layer in model.decoder.layers:
+                layer.encoder_attn.qkv_proj = NaiveCrossQKV(layer.encoder_attn.qkv_proj)
+        for mode, options in modes:
+            row = _run_row(f"{projection}, {mode}", setup,
+                           lambda o=options: model.generate(prompts, new_tokens, ignore_eos=True, **o))
+            prefill = _run_row("  prefill only", setup,
+                               lambda o=options: model.generate(prompts, 1, ignore_eos=True, **o))
+            tokens = row.pop("result", None)
+            if tokens is not None:
+                # Same weights, same math: the naive projection's q, k, v are the fused ones'.
+                reference = fused_tokens.setdefault(mode, tokens)
+                row["same_tokens_as_fused"] = _agreement(tokens, reference)
+            if "avg_s" in row:
+                row["ms_per_token"] = row["avg_s"] / new_tokens * 1e3
+                if "avg_s" in prefill:
+                    row["prefill_ms"] = prefill["avg_s"] * 1e3
+                    row["decode_ms_per_token"] = (row["avg_s"] - prefill["avg_s"]) / (new_tokens - 1) * 1e3
+            rows.append({"projection": projection, "mode": mode, **row})
+    model.clear_kv_cache()
+    return {"batch": setup.bart_batch, "input_lens": setup.bart_input_lens, "new_tokens": new_tokens,
+            "rows": rows}
+
+
+# Report ---------------------------------------------------------------------------------------------------
+def _section(name: str, fn: Callable[[], dict]) -> dict:
+    print(f"== {name}", flush=True)
+    try:
+        return fn()
+    except Exception as error:  # noqa: BLE001 - report the part that failed, run the others
+        traceback.print_exc()
+        return {"error": f"{type(error).__name__}: {error}"[:500]}
+
+
+def print_report(setup: Setup, results: dict) -> None:
+    shapes = "tiny shapes (--small)" if setup.small else "Llama-3-8B shapes"
+    latency = results["llama"]
+    print(f"\n# End-to-end latency: {shapes}, {setup.dtype}, batch {setup.batch}, input {setup.input_len}, "
+          f"output {setup.output_len}, greedy, average of {setup.iterations} runs after {setup.warmup} "
+          "warm-up")
+    if "error" in latency:
+        print(f"failed: {latency['error']}")
+    else:
+        rows = {row["impl"]: row for row in latency["rows"]}
+        static = rows.get("transformers generate, static cache", {}).get("avg_s")
+        dynamic = rows.get("transformers generate, dynamic cache", {}).get("avg_s")
+        floor = latency["floor_s"]
+        print(f"floor: {latency['weight_bytes'] / 1e9:.2f} GB of weights per step at "
+              f"{latency['copy_GBps']:.0f} GB/s copy bandwidth x {setup.output_len} steps = {floor:.3f} s "
+              f"(anchor on the H200: {ANCHOR_FLOOR_S} s)")
+        print(f"| {'implementation':<38} | {'avg s':>8} | {'tok/s':>8} | {'/ floor':>7} | "
+              f"{'HF static / x':>13} | {'HF dynamic / x':>14} | same tokens as eager |")
+        print(f"|{'-' * 40}|{'-' * 10}|{'-' * 10}|{'-' * 9}|{'-' * 15}|{'-' * 16}|{'-' * 22}|")
+        for row in latency["rows"]:
+            if "error" in row:
+                print(f"| {row['impl']:<38} | failed: {row['error']}")
+                continue
+            avg = row["avg_s"]
+            tokens_per_s = setup.batch * setup.output_len / avg
+            vs_static = f"{static / avg:.2f}x" if static else "-"
+            vs_dynamic = f"{dynamic / avg:.2f}x" if dynamic else "-"
+            same = f"{row['same_tokens_as_eager']:.0%}" if "same_tokens_as_eager" in row else "-"
+            print(f"| {row['impl']:<38} | {avg:>8.3f} | {tokens_per_s:>8.0f} | {avg / floor:>6.2f}x | "
+                  f"{vs_static:>13} | {vs_dynamic:>14} | {same:>20} |")
+        if not setup.small:
+            print(f"| {'anchor: floor':<38} | {ANCHOR_FLOOR_S:>8.3f} |")
+            for kind, seconds in ANCHOR_TRANSFORMERS_S.items():
+                print(f"| {'anchor: transformers, ' + kind:<38} | {seconds:>8.3f} |")
+
+    kv = results["kv_blocks"]
+    print("\n# KV blocks in the memory left by a StarCoder-shaped GPT-BigCode (48 heads, MQA, 40 layers, "
+          "hidden 6144)")
+    if "error" in kv:
+        print(f"failed: {kv['error']}")
+    else:
+        print(f"{kv['device']}: {kv['total_bytes'] / 2**30:.1f} GiB x {GPU_MEMORY_UTILIZATION} - weights "
+              f"{kv['weight_bytes'] / 2**30:.1f} GiB - {ACTIVATION_RESERVE_BYTES / 2**30:.0f} GiB "
+              f"activations = {kv['kv_budget_bytes'] / 2**30:.1f} GiB for KV, blocks of {kv['block_size']} "
+              "tokens")
+        for label, blocks in kv["blocks"].items():
+            print(f"| {label:<36} | {blocks:>9,} blocks | {blocks * kv['block_size']:>12,} tokens |")
+        print("(the seeds' setup: 20280 MQA blocks vs 49)")
+
+    bart = results["bart"]
+    print(f"\n# BART-large cross-attention projection: batch {setup.bart_batch}, encoder inputs "
+          f"{setup.bart_input_lens}, {setup.bart_new_tokens} new tokens")
+    if "error" in bart:
+        print(f"failed: {bart['error']}")
+        return
+    by_mode: dict[str, dict[str, dict]] = {}
+    for row in bart["rows"]:
+        by_mode.setdefault(row["mode"], {})[row["projection"]] = row
+    print(f"| {'projection':<28} | {'mode':<10} | {'ms / token':>10} | {'prefill ms':>10} | "
+          f"{'decode ms / token':>17} | {'naive / this':>12} | same tokens as fused |")
+    for mode, rows in by_mode.items():
+        naive = rows.get("naive QKVParallelLinear x2", {}).get("ms_per_token")
+        for projection, row in rows.items():
+            if "error" in row:
+                print(f"| {projection:<28} | {mode:<10} | failed: {row['error']}")
+                continue
+            ratio = f"{naive / row['ms_per_token']:.3f}x" if naive else "-"
+            prefill_ms = row.get("prefill_ms", float("nan"))
+            decode_ms = row.get("decode_ms_per_token", float("nan"))
+            same = f"{row['same_tokens_as_fused']:.0%}" if "same_tokens_as_fused" in row else "-"
+            print(f"| {projection:<28} | {mode:<10} | {row['ms_per_token']:>10.3f} | {prefill_ms:>10.2f} | "
+                  f"{decode_ms:>17.3f} | {ratio:>12} | {same:>19} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--small", action="store_true", help="tiny shapes on the CPU (a check, < 1 minute)")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: llama, kv_blocks, bart")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="directory for the JSON")
+    args = parser.parse_args()
+    if not args.small and not torch.cuda.is_available():
+        parser.error("no GPU visible: run with --small for the CPU check")
+    setup = Setup(args.small)
+    if args.small:
+        # One thread: OpenMP threads spinning on a busy 2-core CI machine make timings swing 100x.
+        torch.set_num_threads(1)
+    skip = set(filter(None, args.skip.split(",")))
+    parts = {"llama": lambda: llama_latency(setup, args), "kv_blocks": lambda: mqa_kv_blocks(setup),
+             "bart": lambda: bart_cross_qkv(setup)}
+    # Each part frees its models when it returns; collect before the next one allocates.
+    results = {}
+    for name, fn in parts.items():
+        results[name] = {"error": "skipped (--skip)"} if name in skip else _section(name, fn)
+        _free_memory(setup)
+    on_gpu = setup.device.type == "cuda"
+    device_name = torch.cuda.get_device_name(setup.device) if on_gpu else platform.processor()
+    meta = {"device": device_name or "cpu", "torch": torch.__version__, "python": platform.python_version(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "small": setup.small,
+            "command": "python benchmarks/bench_latency.py" + (" --small" if setup.small else "")}
+    try:
+        import transformers
+
+        meta["transformers"] = transformers.__version__
+    except ImportError:
+        meta["transformers"] = None
+    print_report(setup, results)
+    args.out.mkdir(parents=True, exist_ok=True)
+    file = args.out / f"latency_{'small_cpu' if setup.small else 'gpu'}.json"
+    file.write_text(json.dumps({"meta": meta, **results}, indent=1, default=str) + "\n")
+    print(f"\nwrote {file}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""``from_pretrained``: a HuggingFace checkpoint (a local directory or a hub id) into this rank's shard.
+
+The class comes from config.json's ``architectures``. config.json is read as JSON, so checkpoints written
+by transformers 4 (``torch_dtype``, ``rope_theta``/``rope_scaling``) and 5 (``dtype``, ``rope_parameters``)
+both load without transformers installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tpkit.loaders import CheckpointError, iter_weights, resolve_checkpoint
+from tpkit.models.bart import BartForConditionalGeneration
+from tpkit.models.generation import PagedLM, parse_eos_token_ids
+from tpkit.models.gpt_bigcode import GPTBigCodeForCausalLM
+from tpkit.models.llama import LlamaForCausalLM
+from tpkit.parallel_layers import TPGroup, get_tp_group
+
+MODEL_CLASSES: dict[str, type[PagedLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
+    "BartForConditionalGeneration": BartForConditionalGeneration,
+}
+
+
+def model_class(config: dict[str, Any]) -> type[PagedLM]:
+    """The tpkit class for a config.json's ``architectures``; a ValueError lists the supported ones."""
+    architectures = config.get("architectures") or []
+    for architecture in architectures:
+        if architecture in MODEL_CLASSES:
+            return MODEL_CLASSES[architecture]
+    raise ValueError(f"config.json architectures {architectures} has no supported architecture; supported: "
+                     f"{', '.join(MODEL_CLASSES)}")
+
+
+def from_pretrained(name_or_path: str | os.PathLike, *, dtype: torch.dtype | str | None = None,
+                    device: torch.device | str | None = None, tp_group: Any = None,
+                    revision: str | None = None, cache_dir: str | os.PathLike | None = None) -> PagedLM:
+    """This rank's shard of a HuggingFace checkpoint, built on ``device`` and loaded, in eval mode.
+
+    dtype: default the checkpoint's (config.json ``dtype`` / ``torch_dtype``), else float32.
+    device: default the current CUDA device when the tensor-parallel group runs on NCCL or there is a GPU
+    and no group over gloo, else the CPU. tp_group: a TPGroup or ProcessGroup; default the group of
+    ``init_tensor_parallel`` (tp_size 1 when nothing is initialised). Every rank must call it.
+    EOS ids (and BART's decoder start) come from generation_config.json, else config.json.
+    """
+    if dtype is not None and not isinstance(dtype, (torch.dtype, str)):
+        raise TypeError(f"dtype must be a torch.dtype, a dtype name or None, got {type(dtype).__name__}")
+    path = resolve_checkpoint(name_or_path, revision=revision, cache_dir=cache_dir)
+    config = _read_json(path / "config.json")
+    if config is None:
+        raise CheckpointError(f"{path} has no config.json")
+    cls = model_class(config)
+    dtype = _as_dtype(dtype if dtype is not None else config.get("dtype") or config.get("torch_dtype"))
+    device = torch.device(device) if device is not None else _default_device(tp_group)
+    model = cls(config, dtype=dtype, device=device, tp_group=tp_group)
+    generation_config = _read_json(path / "generation_config.json") or {}
+    if generation_config.get("eos_token_id") is not None:
+        model.eos_token_ids = parse_eos_token_ids(generation_config["eos_token_id"])
+    if isinstance(model, BartForConditionalGeneration) and \
+            generation_config.get("decoder_start_token_id") is not None:
+        model.decoder_start_token_id = generation_config["decoder_start_token_id"]
+    model.load_weights(iter_weights(path))
+    return model.eval()
+
+
+def _read_json(file: Path) -> dict[str, Any] | None:
+    if not file.is_file():
+        return None
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"{file} is not valid JSON: {error}") from error
+
+
+def _as_dtype(value: torch.dtype | str | None) -> torch.dtype:
+    if value is None:
+        return torch.float32
+    if isinstance(value, torch.dtype):
+        dtype = value
+    else:
+        dtype = getattr(torch, value.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point torch dtype, got {value!r}")
+    return dtype
+
+
+def _default_device(tp_group: Any) -> torch.device:
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    if isinstance(tp_group, TPGroup):
+        backend = tp_group.backend
+    elif tp_group is not None:
+        backend = dist.get_backend(tp_group)
+    else:
+        try:
+            backend = get_tp_group().backend
+        except RuntimeError:
+            backend = None
+    return torch.device("cpu") if backend == "gloo" else torch.device("cuda", torch.cuda.current_device())

@@ -1,0 +1,102 @@
+"""A model's decode step captured in one CUDA graph and replayed every step.
+
+A decode step of a small batch is hundreds of small kernels; launched one by one from Python, the host is
+slower than the GPU. Captured once, the whole step (embedding, every layer's projections, RoPE, cache write,
+paged attention, all-reduces, logits) is one launch. The graph reads its inputs from static buffers: token
+ids, and per KV cache the metadata (slot_mapping, block_tables, seq_lens; positions follow from seq_lens).
+Each step copies the step's values into them, device to device, and replays.
+
+The graph serves a fixed batch size; when sequences finish early their rows become padding: slot -1 (no
+cache write) and seq_len 0 (nothing attended), so the graph never touches blocks that went back to the cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from tpkit.attention import AttentionMetadata
+
+
+class StaticDecodeStep:
+    """``step(input_ids [batch, 1], metadata) -> logits [batch, vocab]`` run on static buffers for a batch of
+    ``batch`` sequences: what a CUDA graph replays, here run eagerly (which tests do on the CPU).
+
+    max_blocks: per cache name, the widest block table a sequence of this batch can need.
+    """
+
+    def __init__(self, step: Callable[[torch.Tensor, Mapping[str, AttentionMetadata]], torch.Tensor],
+                 batch: int, max_blocks: Mapping[str, int], device: torch.device) -> None:
+        self.step = step
+        self.batch = batch
+        self.device = device
+        self.input_ids = torch.zeros(batch, 1, dtype=torch.int64, device=device)
+        # Every row starts as padding: no slot written, nothing attended.
+        self.metadata = {
+            name: AttentionMetadata(
+                is_prefill=False,
+                slot_mapping=torch.full((batch,), -1, dtype=torch.int64, device=device),
+                block_tables=torch.zeros(batch, width, dtype=torch.int32, device=device),
+                seq_lens=torch.zeros(batch, dtype=torch.int32, device=device),
+                query_lens=torch.ones(batch, dtype=torch.int32, device=device),
+            )
+            for name, width in max_blocks.items()
+        }
+
+    def __call__(self, input_ids: torch.Tensor, metadata: Mapping[str, AttentionMetadata],
+                 seq_ids: Sequence[int]) -> torch.Tensor:
+        """One decode step of the sequences ``seq_ids`` (rows of the batch; all rows when none has
+        finished): input_ids ``[len(seq_ids), 1]`` -> logits ``[len(seq_ids), vocab]``."""
+        rows = None if len(seq_ids) == self.batch else torch.tensor(seq_ids, device=self.device)
+        _fill(self.input_ids, input_ids, rows, 0)
+        for name, static in self.metadata.items():
+            step_metadata = metadata[name]
+            _fill(static.seq_lens, step_metadata.seq_lens, rows, 0)
+            _fill(static.block_tables, step_metadata.block_tables, rows, 0)
+            _fill(static.slot_mapping, step_metadata.slot_mapping, rows, -1)
+        logits = self._run()  # [batch, vocab]
+        return logits if rows is None else logits[rows]
+
+    def _run(self) -> torch.Tensor:
+        return self.step(self.input_ids, self.metadata)
+
+
+class DecodeGraph(StaticDecodeStep):
+    """:class:`StaticDecodeStep` captured once in a CUDA graph and replayed every step."""
+
+    def __init__(self, step: Callable[[torch.Tensor, Mapping[str, AttentionMetadata]], torch.Tensor],
+                 batch: int, max_blocks: Mapping[str, int], device: torch.device, *,
+                 pool: Any = None) -> None:
+        super().__init__(step, batch, max_blocks, device)
+        # Warm up and capture with every row padding, so neither touches the cache. The warm-up runs on a
+        # side stream, as capture requires, and does the lazy initialisation (cuBLAS workspaces, NCCL
+        # communicators, kernel builds) outside the graph.
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            # Twice: a compiled step builds its kernels on the first call.
+            for _ in range(2):
+                step(self.input_ids, self.metadata)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.logits = step(self.input_ids, self.metadata)  # [batch, vocab]
+
+    def _run(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.logits
+
+
+def _fill(static: torch.Tensor, value: torch.Tensor, rows: torch.Tensor | None, pad: int) -> None:
+    """Copy ``value`` into the leading columns of ``static``'s ``rows`` (all rows if None); the rest = pad."""
+    if rows is None and value.shape == static.shape:
+        static.copy_(value)
+        return
+    static.fill_(pad)
+    target = static if value.dim() == 1 else static[:, : value.shape[1]]
+    if rows is None:
+        target.copy_(value)
+    else:
+        target.index_copy_(0, rows, value.to(static.dtype))

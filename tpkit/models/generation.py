@@ -1,0 +1,387 @@
+"""Generation on a paged KV cache: the one loop and the one sampler that every tpkit model uses.
+
+A batch of ragged prompts runs together: one prefill (right-padded to the longest prompt; padding writes
+nothing to the cache), then one paged decode step per token for every unfinished sequence. A sequence stops
+after its EOS token (kept in its output) and its KV blocks go back to the cache at once.
+
+Sampling is the same on every rank by construction: rank 0 of the tensor-parallel group draws the tokens
+(greedy, or with its seeded generator) and broadcasts them, so ranks can never drift apart, even where an
+all-reduce left their logits different in the last bit. One small broadcast per step is the whole cost.
+
+Models plug in through :class:`PagedLM`'s hooks; decoder-only models get them all from
+:class:`PagedDecoderOnlyLM` and only define ``hidden_states`` and ``compute_logits``.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tpkit.attention import AttentionMetadata, PagedKVCache
+from tpkit.models.cuda_graph import DecodeGraph
+
+Prompts = Sequence[Sequence[int]] | torch.Tensor
+StepFn = Callable[[torch.Tensor, Mapping[str, AttentionMetadata], Sequence[int]], torch.Tensor]
+
+
+def parse_eos_token_ids(value: Any) -> tuple[int, ...]:
+    """``eos_token_id`` of a config.json or generation_config.json (an int, a list or null) as a tuple."""
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def check_prompts(prompts: Prompts, vocab_size: int) -> list[list[int]]:
+    """Validate a batch of prompts (token-id lists, or a 2-D integer tensor) and return it as lists."""
+    if isinstance(prompts, torch.Tensor):
+        if prompts.dim() != 2 or prompts.dtype.is_floating_point or prompts.dtype == torch.bool:
+            raise ValueError(f"prompts as a tensor must be 2-D integer [batch, seq], got {prompts.dtype} "
+                             f"{tuple(prompts.shape)}")
+        token_lists = prompts.tolist()
+    elif isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise TypeError(f"prompts must be a list of token-id lists or a 2-D tensor, got "
+                        f"{type(prompts).__name__}")
+    else:
+        token_lists = []
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, torch.Tensor) and prompt.dim() == 1:
+                prompt = prompt.tolist()
+            if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
+                raise TypeError(f"prompts[{i}] must be a list of token ids, got {type(prompt).__name__}")
+            token_lists.append(list(prompt))
+    if not token_lists:
+        raise ValueError("prompts is empty: expected at least one prompt")
+    for i, ids in enumerate(token_lists):
+        if not ids:
+            raise ValueError(f"prompts[{i}] is empty: every prompt needs at least one token")
+        token_lists[i] = ids = [_as_token_id(t, i) for t in ids]
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompts[{i}] has token ids outside [0, {vocab_size}): {bad[:5]}")
+    return token_lists
+
+
+def _as_token_id(token: Any, prompt_index: int) -> int:
+    # operator.index takes Python, NumPy and 0-d tensor integers alike, and refuses floats.
+    try:
+        if isinstance(token, bool):
+            raise TypeError
+        return operator.index(token)
+    except TypeError:
+        raise TypeError(f"prompts[{prompt_index}] must hold integer token ids, got {token!r}") from None
+
+
+def filter_logits(logits: torch.Tensor, temperature: float, top_k: int | None,
+                  top_p: float | None) -> torch.Tensor:
+    """float32 logits ``[batch, vocab]`` scaled by temperature, then top-k, then top-p (transformers' order);
+    filtered-out entries are -inf. top-p keeps the smallest set whose probability exceeds top_p, at least one.
+    """
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # [batch, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, sorted_idx = torch.sort(logits, dim=-1)  # ascending
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        remove_sorted = cumulative <= 1.0 - top_p
+        remove_sorted[..., -1] = False
+        remove = remove_sorted.scatter(-1, sorted_idx, remove_sorted)
+        logits = logits.masked_fill(remove, float("-inf"))
+    return logits
+
+
+class Sampler:
+    """Picks every sequence's next token from its logits; rank 0 draws and broadcasts (see the module doc)."""
+
+    def __init__(self, *, temperature: float, top_k: int | None, top_p: float | None, seed: int | None,
+                 device: torch.device, tp_group: Any) -> None:
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0 \
+                or not math.isfinite(temperature):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+            raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+        if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
+                                  or not 0.0 < top_p <= 1.0):
+            raise ValueError(f"top_p must be None or in (0, 1], got {top_p!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise ValueError(f"seed must be None or an int >= 0, got {seed!r}")
+        self.temperature, self.top_k, self.top_p = float(temperature), top_k, top_p
+        self.tp_size = tp_group.size
+        self.group = tp_group.group
+        self.is_source = tp_group.rank == 0
+        self.generator: torch.Generator | None = None
+        if temperature > 0 and self.is_source:
+            self.generator = torch.Generator(device=device)
+            if seed is None:
+                self.generator.seed()
+            else:
+                self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits ``[batch, vocab]`` -> int64 token ids ``[batch]``, identical on every rank."""
+        if not self.is_source:
+            tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+        elif self.temperature == 0:
+            tokens = logits.argmax(dim=-1)
+        else:
+            probs = filter_logits(logits, self.temperature, self.top_k, self.top_p).softmax(dim=-1)
+            tokens = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
+        if self.tp_size > 1:
+            dist.broadcast(tokens, group=self.group, group_src=0)
+        return tokens
+
+
+def right_pad(token_lists: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+    """int64 ``[batch, max_len]``, each row a prompt followed by zeros."""
+    max_len = max(len(ids) for ids in token_lists)
+    return torch.tensor([list(ids) + [0] * (max_len - len(ids)) for ids in token_lists], dtype=torch.int64,
+                        device=device)
+
+
+class PagedLM(nn.Module, ABC):
+    """Base of tpkit's models: ``generate`` over paged KV caches.
+
+    A subclass sets ``vocab_size``, ``max_positions``, ``eos_token_ids`` and ``tp_group`` and implements the
+    hooks: ``kv_cache_layout``, ``_plan_kv_cache``, ``_prefill``, ``_decode_metadata``, ``_decode_step``.
+    Caches are named (``"self"``; BART adds ``"cross"``). They are sized for the batch at hand, kept for the
+    next call while big enough (a captured CUDA graph stays valid with them) and dropped by
+    :meth:`clear_kv_cache`.
+    """
+
+    kv_block_size = 16
+    vocab_size: int
+    max_positions: int
+    eos_token_ids: tuple[int, ...]
+    tp_group: Any
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._kv_caches: dict[str, PagedKVCache] = {}
+        self._graphs: dict[tuple, DecodeGraph] = {}
+        self._graph_pool: Any = None
+        self._compiled_decode_step: Callable | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    @property
+    def kv_caches(self) -> dict[str, PagedKVCache]:
+        """The paged KV caches of the last ``generate`` call, by name (empty before the first)."""
+        return dict(self._kv_caches)
+
+    def clear_kv_cache(self) -> None:
+        """Drop the KV caches and captured CUDA graphs, returning their memory."""
+        self._graphs.clear()
+        self._kv_caches.clear()
+        self._graph_pool = None
+
+    # Hooks -------------------------------------------------------------------------------------------------
+    @abstractmethod
+    def kv_cache_layout(self) -> dict[str, tuple[int, int, int]]:
+        """Per cache name: (num_layers, num_kv_heads on this rank, head_size)."""
+
+    @abstractmethod
+    def _plan_kv_cache(self, prompt_lens: Sequence[int], max_new_tokens: int) -> dict[str, list[int]]:
+        """Per cache name, the tokens each sequence will store; a ValueError if positions run out."""
+
+    @abstractmethod
+    def _prefill(self, prompts: list[list[int]], caches: Mapping[str, PagedKVCache]) -> torch.Tensor:
+        """Run the prompts (sequence ids 0..batch-1), fill the caches; logits of the first new token
+        ``[batch, vocab]``."""
+
+    @abstractmethod
+    def _decode_metadata(self, caches: Mapping[str, PagedKVCache],
+                         seq_ids: Sequence[int]) -> dict[str, AttentionMetadata]:
+        """Metadata of one decode step of ``seq_ids`` per cache (allocates a slot for each new token)."""
+
+    @abstractmethod
+    def _decode_step(self, input_ids: torch.Tensor, metadata: Mapping[str, AttentionMetadata],
+                     caches: Mapping[str, PagedKVCache]) -> torch.Tensor:
+        """input_ids ``[batch, 1]`` -> logits ``[batch, vocab]``. Only device work: it is what a CUDA graph
+        captures, so no host synchronisation and nothing that depends on tensor values on the host."""
+
+    # Generation --------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(self, prompts: Prompts, max_new_tokens: int, *, temperature: float = 0.0,
+                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                 ignore_eos: bool = False, cuda_graph: bool = False,
+                 compile: bool = False) -> list[list[int]]:
+        """Generate up to ``max_new_tokens`` tokens for each prompt; returns each prompt's new tokens.
+
+        prompts: token-id lists of any lengths, or a 2-D tensor. temperature 0 is greedy; otherwise
+        temperature, top_k and top_p filter as in transformers and ``seed`` makes the draw reproducible.
+        A sequence stops after one of ``eos_token_ids`` (kept in its output) unless ``ignore_eos``.
+        ``cuda_graph`` replays the decode step from a CUDA graph captured for this batch shape (the first
+        call for a shape captures it). ``compile`` runs the decode step through ``torch.compile``, which
+        fuses its small element-wise kernels (compiled on first use, again for each new batch shape).
+        """
+        token_lists = check_prompts(prompts, self.vocab_size)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        device = self.device
+        if cuda_graph and device.type != "cuda":
+            raise ValueError(f"cuda_graph=True needs the model on a CUDA device, it is on {device}")
+        prompt_lens = [len(ids) for ids in token_lists]
+        needs = self._plan_kv_cache(prompt_lens, max_new_tokens)
+        sample = Sampler(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, device=device,
+                         tp_group=self.tp_group)
+        eos = frozenset() if ignore_eos else frozenset(self.eos_token_ids)
+
+        caches = self._reserve_kv_caches(needs)
+        batch = len(token_lists)
+        decode_step = self._compiled_step() if compile else self._decode_step
+        if cuda_graph and max_new_tokens > 1:
+            step = self._graph_step(decode_step, caches, batch, needs, compile)
+        else:
+            step = lambda ids, metadata, _: decode_step(ids, metadata, caches)
+        seq_ids = list(range(batch))
+        outputs: list[list[int]] = [[] for _ in range(batch)]
+        unchecked: list[torch.Tensor] = []  # [batch] per step when no EOS can stop a sequence
+        live = set(seq_ids)
+        prefilled = False
+        try:
+            logits = self._prefill(token_lists, caches)
+            prefilled = True
+            tokens = sample(logits)  # [len(seq_ids)]
+            for i in range(max_new_tokens):
+                if i > 0:
+                    logits = step(tokens[:, None], self._decode_metadata(caches, seq_ids), seq_ids)
+                    tokens = sample(logits)
+                if not eos:
+                    # Nothing to decide on the host: the loop never waits for the device.
+                    unchecked.append(tokens)
+                    continue
+                host = tokens.tolist()
+                keep = []
+                for row, (seq_id, token) in enumerate(zip(seq_ids, host, strict=True)):
+                    outputs[seq_id].append(token)
+                    if token in eos:
+                        self._free(caches, seq_id)
+                        live.discard(seq_id)
+                    else:
+                        keep.append(row)
+                if len(keep) < len(seq_ids):
+                    if not keep:
+                        break
+                    seq_ids = [seq_ids[row] for row in keep]
+                    tokens = tokens[torch.tensor(keep, device=device)]
+        finally:
+            if prefilled:
+                for seq_id in live:
+                    self._free(caches, seq_id)
+            else:
+                # The prefill failed part way: which caches hold which sequences is unknown. Start afresh.
+                self.clear_kv_cache()
+        if unchecked:
+            outputs = torch.stack(unchecked, dim=1).tolist()
+        return outputs
+
+    @staticmethod
+    def _free(caches: Mapping[str, PagedKVCache], seq_id: int) -> None:
+        for cache in caches.values():
+            cache.free(seq_id)
+
+    def _reserve_kv_caches(self, needs: Mapping[str, Sequence[int]]) -> dict[str, PagedKVCache]:
+        """Caches with room for ``needs`` (tokens per sequence, per cache); the last ones if they fit."""
+        layout = self.kv_cache_layout()
+        for name, tokens in needs.items():
+            num_blocks = sum(-(-t // self.kv_block_size) for t in tokens)
+            cache = self._kv_caches.get(name)
+            if cache is None or cache.num_free_blocks < num_blocks or (cache.dtype, cache.device) != (
+                    self.dtype, self.device):
+                # Let go of the old cache (and graphs that point into it) before allocating the new one.
+                self._kv_caches.pop(name, None)
+                self._graphs.clear()
+                num_layers, num_kv_heads, head_size = layout[name]
+                self._kv_caches[name] = PagedKVCache(num_layers, num_blocks, self.kv_block_size, num_kv_heads,
+                                                     head_size, dtype=self.dtype, device=self.device)
+        return {name: self._kv_caches[name] for name in needs}
+
+    def _compiled_step(self) -> Callable:
+        if self._compiled_decode_step is None:
+            # Shapes are static per batch: no dynamic-shape guards, the tightest code.
+            self._compiled_decode_step = torch.compile(self._decode_step, dynamic=False)
+        return self._compiled_decode_step
+
+    def _graph_step(self, decode_step: Callable, caches: Mapping[str, PagedKVCache], batch: int,
+                    needs: Mapping[str, Sequence[int]], compiled: bool) -> StepFn:
+        max_blocks = {name: -(-max(tokens) // self.kv_block_size) for name, tokens in needs.items()}
+        key = (batch, tuple(sorted(max_blocks.items())), compiled)
+        graph = self._graphs.get(key)
+        if graph is None:
+            if self._graph_pool is None:
+                self._graph_pool = torch.cuda.graph_pool_handle()
+            graph = DecodeGraph(lambda ids, metadata: decode_step(ids, metadata, caches), batch, max_blocks,
+                                self.device, pool=self._graph_pool)
+            self._graphs[key] = graph
+        return graph
+
+
+class PagedDecoderOnlyLM(PagedLM):
+    """The generation hooks of a decoder-only model, which defines only ``hidden_states`` and
+    ``compute_logits`` and sets ``num_layers``, ``num_kv_heads`` (this rank's) and ``head_size``."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+
+    @abstractmethod
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      kv_cache: PagedKVCache | None = None,
+                      metadata: AttentionMetadata | None = None) -> torch.Tensor:
+        """input_ids, positions ``[batch, seq]`` -> final hidden states ``[batch, seq, hidden]``."""
+
+    @abstractmethod
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden states ``[..., hidden]`` -> full-vocabulary logits ``[..., vocab]`` on every rank."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids ``[batch, seq]`` -> logits ``[batch, seq, vocab]`` for every position, no cache."""
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        return self.compute_logits(self.hidden_states(input_ids, positions))
+
+    def kv_cache_layout(self) -> dict[str, tuple[int, int, int]]:
+        return {"self": (self.num_layers, self.num_kv_heads, self.head_size)}
+
+    def _plan_kv_cache(self, prompt_lens: Sequence[int], max_new_tokens: int) -> dict[str, list[int]]:
+        # The last sampled token is never fed back, so it takes no position and no cache slot.
+        tokens = [n + max_new_tokens - 1 for n in prompt_lens]
+        if max(tokens) > self.max_positions:
+            raise ValueError(f"prompt length {max(prompt_lens)} + max_new_tokens {max_new_tokens} - 1 "
+                             f"exceeds the model's {self.max_positions} positions (max_position_embeddings)")
+        return {"self": tokens}
+
+    def _prefill(self, prompts: list[list[int]], caches: Mapping[str, PagedKVCache]) -> torch.Tensor:
+        prompt_lens = [len(ids) for ids in prompts]
+        metadata = caches["self"].prefill_metadata(range(len(prompts)), prompt_lens)
+        input_ids = right_pad(prompts, self.device)  # [batch, max_len]
+        positions = torch.arange(input_ids.shape[1], device=self.device).expand_as(input_ids)
+        hidden = self.hidden_states(input_ids, positions, caches["self"], metadata)  # [batch, len, hidden]
+        last = torch.tensor(prompt_lens, device=self.device) - 1
+        return self.compute_logits(hidden[torch.arange(len(prompts), device=self.device), last])
+
+    def _decode_metadata(self, caches: Mapping[str, PagedKVCache],
+                         seq_ids: Sequence[int]) -> dict[str, AttentionMetadata]:
+        return {"self": caches["self"].decode_metadata(seq_ids)}
+
+    def _decode_step(self, input_ids: torch.Tensor, metadata: Mapping[str, AttentionMetadata],
+                     caches: Mapping[str, PagedKVCache]) -> torch.Tensor:
+        self_metadata = metadata["self"]
+        # The new token's position is the number of tokens cached before it; padding rows (seq_len 0) get 0.
+        positions = (self_metadata.seq_lens.long() - 1).clamp_min(0)[:, None]  # [batch, 1]
+        hidden = self.hidden_states(input_ids, positions, caches["self"], self_metadata)
+        return self.compute_logits(hidden[:, 0])
