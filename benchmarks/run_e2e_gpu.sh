@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One call on a one-GPU machine: build the paged-attention extension, then the end-to-end latency bench,
+# the model/layer tests on the GPU (torchrun, NCCL, tp_size 1 cases), the cross-QKV bench and the
+# single-GPU part of the tp-scaling bench. Each stage has its own time limit; logs and JSON go to $OUT.
+#   bash benchmarks/run_e2e_gpu.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=. PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=/tmp/tpkit_extensions TPKIT_DISABLE_PROGRESS=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/tpkit_gpu_out}
+mkdir -p "$OUT"
+stage() {  # stage NAME LIMIT_S COMMAND...
+  local name=$1 limit=$2 start
+  shift 2
+  start=$(date +%s)
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "[$name: rc=$? in $(( $(date +%s) - start )) s]"
+}
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+'transformers', transformers.__version__)"; date -u; } | tee "$OUT/gpu.txt"
+
+stage build 120 python3 -c "import torch; from tpkit.attention import _cuda
+_cuda.build(torch.cuda.get_device_capability())"
+stage latency 260 python3 benchmarks/bench_latency.py --no-compile --out "$OUT"
+stage tests 140 torchrun --nproc-per-node 1 -m pytest -q -p no:cacheprovider --tb=short -W ignore::UserWarning \
+  tests/test_models_llama.py tests/test_models_gpt_bigcode.py tests/test_models_bart.py tests/test_generate.py \
+  tests/test_linear.py tests/test_cross_qkv.py tests/test_attention_layer.py
+stage cross_qkv 50 python3 benchmarks/bench_cross_qkv.py --device cuda
+stage tp_scaling 70 python3 benchmarks/bench_tp_scaling.py --device cuda --tp-sizes 1 --decode-steps 16 \
+  --repeats 2 --out "$OUT"
+
+echo "=== tests"; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/tests.log" | tail -12
+echo "=== cross_qkv"; tail -14 "$OUT/cross_qkv.log"
+echo "=== tp_scaling"; tail -6 "$OUT/tp_scaling.log"
+echo "=== latency"; tail -45 "$OUT/latency.log"
