@@ -35,10 +35,10 @@ def make_llama_checkpoint(path: str | os.PathLike, *, tie_word_embeddings: bool 
                           num_key_value_heads: int = 2, attention_bias: bool = False,
                           max_shard_size: int | str | None = None, seed: int = 0,
                           **config_overrides: object) -> LlamaForCausalLM:
-    """A Llama with GQA (4 query heads of 16, ``num_key_value_heads`` KV heads), SwiGLU and RMSNorm;
+    """A Llama with GQA (4 query heads of 32, ``num_key_value_heads`` KV heads), SwiGLU and RMSNorm;
     ``attention_bias`` gives q/k/v/o biases (Qwen2 style)."""
     config = LlamaConfig(**{**_SMALL, **dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=num_key_value_heads, max_position_embeddings=256, rms_norm_eps=1e-6,
         tie_word_embeddings=tie_word_embeddings, attention_bias=attention_bias,
         bos_token_id=1, eos_token_id=2, pad_token_id=0), **config_overrides})
@@ -51,7 +51,7 @@ def make_gpt_bigcode_checkpoint(path: str | os.PathLike, *, multi_query: bool = 
     """A GPTBigCode (StarCoder family): multi-query attention stored as one fused ``c_attn`` tensor
     (q rows, then the single k and v head), learned positions, LayerNorm with bias, tied LM head."""
     config = GPTBigCodeConfig(**{**_SMALL, **dict(
-        n_embd=64, n_inner=128, n_layer=2, n_head=4, n_positions=256, multi_query=multi_query,
+        n_embd=128, n_inner=128, n_layer=2, n_head=4, n_positions=256, multi_query=multi_query,
         activation_function="gelu_pytorch_tanh", bos_token_id=0, eos_token_id=0), **config_overrides})
     return make_checkpoint(GPTBigCodeForCausalLM, config, path, seed, max_shard_size)
 
@@ -61,7 +61,7 @@ def make_bart_checkpoint(path: str | os.PathLike, *, max_shard_size: int | str |
     """A BART encoder-decoder with tied embeddings and a random ``final_logits_bias``. ``forced_eos_token_id``
     is off so greedy generation is plain argmax (pass it in ``config_overrides`` to turn it back on)."""
     config = BartConfig(**{**_SMALL, **dict(
-        d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+        d_model=128, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
         encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=256, init_std=INITIALIZER_RANGE,
         pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None,
         forced_bos_token_id=None), **config_overrides})

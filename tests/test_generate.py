@@ -143,7 +143,9 @@ def test_static_decode_step_with_padding_rows_equals_plain_step(model):
             metadata = model._decode_metadata(caches, seq_ids)
             rows = torch.tensor(seq_ids)
             expected = model._decode_step(tokens[rows, None], metadata, caches)
-            torch.testing.assert_close(static(tokens[rows, None], metadata, seq_ids), expected)
+            # Padding rows change the matmuls' shapes, and with them the float32 rounding (not the values).
+            torch.testing.assert_close(static(tokens[rows, None], metadata, seq_ids), expected,
+                                       rtol=1e-5, atol=5e-5)
             tokens[rows] = expected.argmax(-1)
     finally:
         for seq_id in range(len(PROMPTS)):

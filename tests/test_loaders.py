@@ -36,8 +36,9 @@ HF_CLASSES = {"llama": LlamaForCausalLM, "llama_sharded": LlamaForCausalLM, "lla
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, nn.Module]]:
     root = tmp_path_factory.mktemp("checkpoints")
+    # The shapes asserted below are those of a hidden size of 64.
     made = {
-        "llama": make_llama_checkpoint(root / "llama"),
+        "llama": make_llama_checkpoint(root / "llama", hidden_size=64),
         "llama_sharded": make_llama_checkpoint(root / "llama_sharded", max_shard_size="100KB",
                                                attention_bias=True, seed=1),
         "llama_tied": make_llama_checkpoint(root / "llama_tied", tie_word_embeddings=True, seed=2),

@@ -50,7 +50,7 @@ def llama_tied_bias_llama3(tmp_path_factory):
 @pytest.fixture(scope="module")
 def qwen2(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen2")
-    config = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = Qwen2Config(vocab_size=256, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          initializer_range=0.2, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
                          pad_token_id=0)
