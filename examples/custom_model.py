@@ -134,6 +134,7 @@ def _spawned(rank: int, world_size: int, port: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     run(torch.device("cpu"))
+    dist.barrier()  # leave together: a gloo rank torn down while its peer still talks to it can abort
     dist.destroy_process_group()
 
 

@@ -225,6 +225,8 @@ def _spawned_rank(rank: int, world_size: int, port: int, backend: str, job: Job)
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=5))
     try:
         ok = run_rank(job, device)
+        # Ranks leave together: a gloo rank torn down while a peer still talks to it can abort at exit.
+        dist.barrier()
     finally:
         destroy_tensor_parallel()
         dist.destroy_process_group()
