@@ -117,7 +117,7 @@ def _measure(args: argparse.Namespace, device: torch.device) -> list[dict]:
     return rows
 
 
-def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, results) -> None:
+def _rank_main(rank: int, world_size: int, port: int, measure, args: argparse.Namespace, results) -> None:
     os.environ.update(_NCCL_ENV)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size))
@@ -130,9 +130,11 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=300))
     try:
         device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
-        rows = _measure(args, device)
+        result = measure(args, device)
         if rank == 0:
-            results.put(rows)
+            results.put(result)
+        # Ranks leave together: a gloo rank torn down while a peer still talks to it can abort at exit.
+        dist.barrier()
     finally:
         destroy_tensor_parallel()
         dist.destroy_process_group()
@@ -144,13 +146,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(tp_size: int, args: argparse.Namespace) -> list[dict]:
+def spawn_ranks(tp_size: int, measure, args: argparse.Namespace):
+    """Runs ``measure(args, device)`` on ``tp_size`` fresh ranks (gloo on CPU, NCCL with a GPU each, as
+    ``args.device`` says); returns rank 0's result. ``measure`` must be a module-level function."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    context = mp.spawn(_rank_main, args=(tp_size, _free_port(), args, results), nprocs=tp_size, join=False)
-    rows = results.get(timeout=args.timeout)
+    context = mp.spawn(_rank_main, args=(tp_size, _free_port(), measure, args, results), nprocs=tp_size,
+                       join=False)
+    result = results.get(timeout=args.timeout)
     context.join(timeout=args.timeout)
-    return rows
+    return result
+
+
+def init_torchrun_world(cuda: bool) -> tuple[int, torch.device]:
+    """Under torchrun: this process's rank and device, with the default group initialised."""
+    os.environ.update(_NCCL_ENV)
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    return int(os.environ["RANK"]), device
 
 
 def _print_table(rows: list[dict]) -> None:
@@ -196,12 +211,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
         # Under torchrun: this world is the one tp size measured.
-        os.environ.update(_NCCL_ENV)
-        rank = int(os.environ["RANK"])
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
-        if cuda:
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if cuda else "gloo")
+        rank, device = init_torchrun_world(cuda)
         try:
             rows = _measure(args, device)
         finally:
@@ -217,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
             if tp_size > available:
                 print(f"tp_size {tp_size}: skipped, only {available} GPU(s) visible", file=sys.stderr)
                 continue
-            rows += _spawn(tp_size, args)
+            rows += spawn_ranks(tp_size, _measure, args)
     _print_table(rows)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"tp_scaling_{args.device}_{args.shapes}.json"
