@@ -158,14 +158,20 @@ def spawn_ranks(tp_size: int, measure, args: argparse.Namespace):
     return result
 
 
-def init_torchrun_world(cuda: bool) -> tuple[int, torch.device]:
-    """Under torchrun: this process's rank and device, with the default group initialised."""
+def run_under_torchrun(measure, args: argparse.Namespace):
+    """Under torchrun: runs ``measure(args, device)`` on this rank of the launched world (NCCL with
+    ``--device cuda``, else gloo) and tears the groups down; returns (this rank, its result)."""
     os.environ.update(_NCCL_ENV)
+    cuda = args.device == "cuda"
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo")
-    return int(os.environ["RANK"]), device
+    try:
+        return int(os.environ["RANK"]), measure(args, device)
+    finally:
+        destroy_tensor_parallel()
+        dist.destroy_process_group()
 
 
 def _print_table(rows: list[dict]) -> None:
@@ -211,12 +217,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
         # Under torchrun: this world is the one tp size measured.
-        rank, device = init_torchrun_world(cuda)
-        try:
-            rows = _measure(args, device)
-        finally:
-            destroy_tensor_parallel()
-            dist.destroy_process_group()
+        rank, rows = run_under_torchrun(_measure, args)
         if rank != 0:
             return
     else:

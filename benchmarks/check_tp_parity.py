@@ -23,13 +23,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from tpkit.models import LlamaForCausalLM
-from tpkit.parallel_layers import destroy_tensor_parallel, init_tensor_parallel
+from tpkit.parallel_layers import init_tensor_parallel
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_tp_scaling import SHAPES, _config, init_torchrun_world, spawn_ranks  # noqa: E402
+from bench_tp_scaling import SHAPES, _config, run_under_torchrun, spawn_ranks  # noqa: E402
 
 # Relative max-abs error of the logits against tp_size 1 (scaled by the largest |logit|). The reduction
 # order of the all-reduces differs between tp sizes, so values differ by rounding only.
@@ -127,12 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
 
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
-        rank, device = init_torchrun_world(args.device == "cuda")
-        try:
-            run = _measure(args, device)
-        finally:
-            destroy_tensor_parallel()
-            dist.destroy_process_group()
+        rank, run = run_under_torchrun(_measure, args)
         if rank != 0:
             return 0
         torch.save(run, args.out / f"{args.shapes}_tp{run['tp_size']}.pt")
