@@ -264,6 +264,8 @@ def _bench_config(cfg: Config, args: argparse.Namespace, copy_bw: float, flex: _
     impls: list[tuple[str, Callable[[InputSet], Callable[[], torch.Tensor]]]] = [("tpkit", _tpkit_call)]
     impls += [(name, lambda s, b=backend: _sdpa_call(s, b)) for name, backend in SDPA_BACKENDS.items()]
     impls += [("sdpa-default", lambda s: _sdpa_call(s, None)), ("naive-gather-sdpa", _naive_call)]
+    if args.impls is not None:
+        impls = [(name, make) for name, make in impls if name in args.impls.split(",")]
     results: dict[str, tuple[float, float]] = {}
     for name, make in impls:
         try:
@@ -328,6 +330,8 @@ def main() -> None:
     parser.add_argument("--config", action="append", type=_parse_config, default=[],
                         help="extra configuration name:dtype:B:L:Hq:Hkv (head 128, block 16)")
     parser.add_argument("--only", default=None, help="comma-separated names of the built-in configs to run")
+    parser.add_argument("--impls", default=None,
+                        help="comma-separated implementations to run (default: all), e.g. tpkit,sdpa-cudnn")
     parser.add_argument("--min-kv-mb", type=float, default=512.0, help="KV touched per replay (MB)")
     parser.add_argument("--replays", type=int, default=30)
     parser.add_argument("--flex-budget-s", type=float, default=90.0,

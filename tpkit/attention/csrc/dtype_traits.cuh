@@ -21,6 +21,10 @@ struct DTypeTraits<__half> {
     const __half2 h = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<const uint32_t*>(&h);
   }
+  // Four consecutive outputs in one 8-byte store; dst 8-byte aligned.
+  __device__ __forceinline__ static void store4(__half* dst, float4 v) {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(pack2(v.x, v.y), pack2(v.z, v.w));
+  }
 };
 
 template <>
@@ -32,6 +36,9 @@ struct DTypeTraits<__nv_bfloat16> {
     const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<const uint32_t*>(&h);
   }
+  __device__ __forceinline__ static void store4(__nv_bfloat16* dst, float4 v) {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(pack2(v.x, v.y), pack2(v.z, v.w));
+  }
 };
 
 template <>
@@ -39,6 +46,7 @@ struct DTypeTraits<float> {
   static constexpr bool kIsBF16 = false;
   __device__ __forceinline__ static float to_float(float x) { return x; }
   __device__ __forceinline__ static float from_float(float x) { return x; }
+  __device__ __forceinline__ static void store4(float* dst, float4 v) { *reinterpret_cast<float4*>(dst) = v; }
 };
 
 }  // namespace tpkit

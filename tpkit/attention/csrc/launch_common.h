@@ -10,8 +10,8 @@
 
 namespace tpkit {
 
-// Multiprocessors of the current device, queried once per device.
-cudaError_t current_device_sm_count(int* num_sms);
+// An attribute of the current device (multiprocessor count, compute capability), queried once per device.
+cudaError_t current_device_attribute(cudaDeviceAttr attr, int* value);
 
 // The most dynamic shared memory `kernel` can launch with on the current device (the opt-in maximum less
 // its static shared memory); raises the kernel's limit to it, once per device and kernel. Cached.

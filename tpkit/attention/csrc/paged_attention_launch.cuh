@@ -33,17 +33,29 @@ cudaError_t dispatch_head_size(int head_size, F&& f) {
 template <typename T>
 cudaError_t launch_merge(const tpkit_paged_attention_args* a, cudaStream_t stream) {
   if (a->num_partitions <= 1) return cudaSuccess;
-  const dim3 grid(a->num_heads, a->num_seqs);
-  const size_t smem = static_cast<size_t>(a->num_partitions) * sizeof(float);
-  paged_attention_merge_kernel<T><<<grid, kMergeThreads, smem, stream>>>(*a);
-  return cudaGetLastError();
+  int major = 0;
+  const cudaError_t err = current_device_attribute(cudaDevAttrComputeCapabilityMajor, &major);
+  if (err != cudaSuccess) return err;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(ceil_div(a->num_heads, kMergeRowsPerBlock), a->num_seqs);
+  config.blockDim = dim3(kMergeThreads);
+  config.dynamicSmemBytes = static_cast<size_t>(kMergeRowsPerBlock) * a->num_partitions * sizeof(float);
+  config.stream = stream;
+  // Hopper: a programmatic dependent launch. The merge grid is launched while the attention grid drains and
+  // waits (griddepcontrol.wait) for its results, so the launch gap between the two overlaps the tail.
+  cudaLaunchAttribute attr = {};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attr;
+  config.numAttrs = major >= 9 ? 1 : 0;
+  return cudaLaunchKernelEx(&config, paged_attention_merge_kernel<T>, *a);
 }
 
 template <typename T, int HEAD>
 cudaError_t plan_mma(tpkit_paged_attention_args* a) {
   using L = MmaLayout<HEAD>;
   int num_sms = 0;
-  cudaError_t err = current_device_sm_count(&num_sms);
+  cudaError_t err = current_device_attribute(cudaDevAttrMultiProcessorCount, &num_sms);
   if (err != cudaSuccess) return err;
   // Query rows in 16-row mma tiles; a thread block takes up to 8 tiles (128 heads of one KV head).
   const int row_tiles = ceil_div(a->group_size, 16);
@@ -113,7 +125,7 @@ cudaError_t launch_mma(const tpkit_paged_attention_args* a, cudaStream_t stream)
 template <int HEAD>
 cudaError_t plan_fp32(tpkit_paged_attention_args* a) {
   int num_sms = 0;
-  cudaError_t err = current_device_sm_count(&num_sms);
+  cudaError_t err = current_device_attribute(cudaDevAttrMultiProcessorCount, &num_sms);
   if (err != cudaSuccess) return err;
   const int m_groups = ceil_div(a->group_size, kFp32Rows);
   const int rows = ceil_div(a->group_size, m_groups);

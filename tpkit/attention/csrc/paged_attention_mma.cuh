@@ -274,6 +274,7 @@ __global__ void __launch_bounds__(kMaxThreads) paged_attention_mma_kernel(const 
     __syncthreads();  // this stage is refilled, and page_s read, by the next iteration
   }
   cp_async_wait<0>();  // trailing (empty) groups; the stage buffers become the epilogue's
+  grid_launch_dependents();  // the merge may launch: its blocks wait for this grid's results
   __syncthreads();
 
   // Epilogue: merge the warps_n partial softmaxes of each row tile.
@@ -320,21 +321,35 @@ __global__ void __launch_bounds__(kMaxThreads) paged_attention_mma_kernel(const 
     }
   }
   __syncthreads();
-  for (int i = tid; i < rows_valid * HEAD; i += blockDim.x) {
-    const int r = i / HEAD;
-    const int d = i - r * HEAD;
-    const int wm = r >> 4;
-    float acc = 0.f;
-    for (int wn = 0; wn < p.warps_n; ++wn) acc += red_o[((wm * p.warps_n + wn) * 16 + (r & 15)) * L::kOutStride + d];
+  // Four columns a thread: one float4 per warp slice in, one 8- or 16-byte store out (a block's few rows
+  // must not cost more instructions than its tiles).
+  constexpr int kVecs = HEAD / 4;
+  for (int i = tid; i < rows_valid * kVecs; i += blockDim.x) {
+    const int r = i / kVecs;
+    const int d = (i - r * kVecs) * 4;
+    const float* src = red_o + ((r >> 4) * p.warps_n * 16 + (r & 15)) * L::kOutStride + d;
+    float4 acc = *reinterpret_cast<const float4*>(src);
+    for (int wn = 1; wn < p.warps_n; ++wn) {
+      const float4 x = *reinterpret_cast<const float4*>(src + wn * 16 * L::kOutStride);
+      acc.x += x.x;
+      acc.y += x.y;
+      acc.z += x.z;
+      acc.w += x.w;
+    }
     const float sum = row_l[r];
-    const float val = sum > 0.f ? acc / sum : 0.f;
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    acc.x *= inv;
+    acc.y *= inv;
+    acc.z *= inv;
+    acc.w *= inv;
     const int head = head0 + r;
     if (!split) {
-      T* out = static_cast<T*>(p.out) + static_cast<int64_t>(seq) * p.o_stride_seq + static_cast<int64_t>(head) * p.o_stride_head;
-      out[d] = Traits::from_float(val);
+      Traits::store4(static_cast<T*>(p.out) + static_cast<int64_t>(seq) * p.o_stride_seq +
+                         static_cast<int64_t>(head) * p.o_stride_head + d,
+                     acc);
     } else {
       const int64_t row_index = (static_cast<int64_t>(seq) * p.num_heads + head) * p.num_partitions + partition;
-      p.tmp_out[row_index * HEAD + d] = val;
+      *reinterpret_cast<float4*>(p.tmp_out + row_index * HEAD + d) = acc;
       if (d == 0) p.tmp_lse[row_index] = sum > 0.f ? row_m[r] + log2f(sum) : -INFINITY;
     }
   }

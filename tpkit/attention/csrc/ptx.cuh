@@ -67,6 +67,20 @@ __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[
   }
 }
 
+// Programmatic dependent launch (sm_90+; no-ops before, and when the launch was not programmatic): the
+// primary grid lets its dependent grid start launching; the dependent waits for the primary's results.
+__device__ __forceinline__ void grid_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void grid_wait_primary() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // 2^x; exact 0 for -inf. Scores are kept in the log2 domain (scale folded with log2(e)).
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
