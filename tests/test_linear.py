@@ -355,3 +355,27 @@ def test_layers_need_no_setup() -> None:
     load(clone.weight, 2 * ref.weight)
     torch.testing.assert_close(clone.weight, 2 * ref.weight, rtol=0, atol=0)
     torch.testing.assert_close(layer.weight, ref.weight, rtol=0, atol=0)
+
+
+def test_loaders_survive_materialising_from_meta() -> None:
+    """Built on the meta device, then ``to_empty``: the new Parameters get the layer's loaders again, so the
+    usual big-model flow (build without memory, materialise, load) works."""
+    from tpkit.parallel_layers import VocabParallelEmbedding
+
+    single = TPGroup(None, 0, 1)
+    with torch.device("meta"):
+        qkv = QKVParallelLinear(HIDDEN, 4, 4, 2, bias=True, tp_group=single)
+        embedding = VocabParallelEmbedding(40, HIDDEN, tp_group=single)
+    for layer in (qkv, embedding):
+        layer.to_empty(device="cpu")
+        for param in layer.parameters():
+            assert param.device.type == "cpu"
+            assert param.weight_loader.__self__ is layer
+    torch.manual_seed(0)
+    q, k, v = torch.randn(16, HIDDEN), torch.randn(8, HIDDEN), torch.randn(8, HIDDEN)
+    for shard_id, tensor in zip("qkv", (q, k, v), strict=True):
+        load(qkv.weight, tensor, shard_id)
+    torch.testing.assert_close(qkv.weight, torch.cat([q, k, v]), rtol=0, atol=0)
+    table = torch.randn(40, HIDDEN)
+    load(embedding.weight, table)
+    torch.testing.assert_close(embedding.weight[:40], table, rtol=0, atol=0)

@@ -48,13 +48,27 @@ def _reject_shard_id(name: str, loaded_shard_id: object) -> None:
 
 
 def _attach_weight_loaders(module: nn.Module) -> None:
-    """Gives each of the module's own parameters ``param.weight_loader`` = the module's loader.
-
-    Layers call it when built and again in ``__setstate__``: ``copy.deepcopy`` (and unpickling) make new
-    Parameters without the attribute.
-    """
+    """Gives each of the module's own parameters ``param.weight_loader`` = the module's loader."""
     for param in module.parameters(recurse=False):
         param.weight_loader = module.weight_loader
+
+
+class _LoadableModule(nn.Module):
+    """A layer whose own parameters carry ``param.weight_loader``, also after whatever makes new Parameter
+    objects without the attribute: ``copy.deepcopy`` and unpickling (``__setstate__``), and conversions that
+    cannot swap data in place, such as ``to_empty`` from the meta device (``_apply``).
+
+    Subclasses define ``weight_loader`` and call ``_attach_weight_loaders(self)`` once their parameters exist.
+    """
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        _attach_weight_loaders(self)
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 (nn.Module's private signature)
+        module = super()._apply(fn, recurse)
+        _attach_weight_loaders(self)
+        return module
 
 
 def _copy_pieces(param: torch.Tensor, loaded_weight: object, dim: int, pieces: Sequence[Piece]) -> None:

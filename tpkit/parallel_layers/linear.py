@@ -31,6 +31,7 @@ from ._loading import (
     _check_shape,
     _copy_pieces,
     _copy_whole,
+    _LoadableModule,
     _param_name,
     _reject_shard_id,
 )
@@ -45,11 +46,11 @@ from .state import TPGroup, _resolve_tp_group
 _TPGroupArg = TPGroup | dist.ProcessGroup | None
 
 
-class _LinearBase(nn.Module):
+class _LinearBase(_LoadableModule):
     """Parameters, defaults and the ``skip_bias_add`` convention shared by all linear layers.
 
     Each layer defines ``reset_parameters`` (its default initialisation, run here) and ``weight_loader``
-    (attached here to every parameter, and again after a copy).
+    (attached here to every parameter; ``_LoadableModule`` keeps it there through copies and conversions).
     """
 
     def __init__(
@@ -85,10 +86,6 @@ class _LinearBase(nn.Module):
             self.register_parameter("bias", None)
         _attach_weight_loaders(self)
         self.reset_parameters()
-
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        _attach_weight_loaders(self)
 
     def _init_bound(self) -> float:
         # nn.Linear's kaiming-uniform bound over the full fan-in, whatever this rank's share of it.

@@ -18,7 +18,14 @@ from torch import nn
 
 from ._checks import _check_positive
 from ._init import _normal_, _shard_seed, _uniform_
-from ._loading import _attach_weight_loaders, _check_shape, _copy_pieces, _param_name, _reject_shard_id
+from ._loading import (
+    _attach_weight_loaders,
+    _check_shape,
+    _copy_pieces,
+    _LoadableModule,
+    _param_name,
+    _reject_shard_id,
+)
 from .mappings import _reduce_from_tp_region_, copy_to_tp_region, gather_from_tp_region
 from .state import TPGroup, _resolve_tp_group
 
@@ -29,7 +36,7 @@ def pad_vocab_size(num_embeddings: int, padding_size: int, tp_size: int = 1) -> 
     return -(-num_embeddings // multiple) * multiple
 
 
-class _VocabParallelBase(nn.Module):
+class _VocabParallelBase(_LoadableModule):
     """Vocabulary rows split over the ranks: the sharding, the parameters and their loader.
 
     ``weight`` is ``[num_embeddings_per_partition, embedding_dim]``: rows ``[vocab_start_index,
@@ -67,10 +74,6 @@ class _VocabParallelBase(nn.Module):
             self.register_parameter("bias", None)
         _attach_weight_loaders(self)
         self.reset_parameters()
-
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        _attach_weight_loaders(self)
 
     def _zero_padding(self, param: torch.Tensor) -> None:
         with torch.no_grad():
