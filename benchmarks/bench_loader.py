@@ -6,21 +6,36 @@ load in a fresh process (a first load, as users see it; peak memory its own). Th
 ``--rounds`` rounds and each one's best round counts (the cores of a shared machine come and go):
 
 - ``load_file``: ``safetensors.torch.load_file`` file by file, copied into a transformers Llama with
-  ``load_state_dict`` (``load_file`` alone returns memory-mapped views and reads nothing until touched);
-- ``from_pretrained``: ``transformers.LlamaForCausalLM.from_pretrained(path, dtype=bfloat16)``. transformers 5
-  leaves the parameters memory-mapped, read only when first touched: the row that counts for the goal
-  includes touching every page of every parameter once, so that its weights are in memory like the others';
+  ``load_state_dict``;
+- ``from_pretrained``: ``transformers.LlamaForCausalLM.from_pretrained(path, dtype=bfloat16)``;
 - ``tpkit``: ``tpkit.models.LlamaForCausalLM.load_weights(iter_weights(path))`` at tp_size 1, and at
   tp_size 2 on two spawned CPU ranks (gloo), each reading only its shard.
 
-Goals (issue 4): tpkit's throughput at least ``load_file``'s; at least 2x faster than ``from_pretrained``;
-each rank's peak memory under 1.2x the bytes of its shard. Peak RSS is the highest RSS from the start of
-loading, less the RSS before the model existed (so it holds the model and what loading adds). The page
-cache is warm for every contender (the files were just written), and every process computes with one
-thread by default: on a machine whose cores are busy, a starved OpenMP thread stalls every tensor copy.
+Each contender (and rank) gets two times: ``call``, until its loading call returns, and ``resident``, the call
+plus one pass that reads every byte of every parameter (``max`` over its bytes), the same pass for all. They
+differ for ``from_pretrained``: transformers 5 leaves the parameters as views of private memory maps of the
+files (the "in file maps" column counts the parameter bytes that lie in a mapping of a ``*.safetensors``
+file), so when its call returns the bytes are not in the parameters' memory yet (RSS at return near zero;
+from a cold page cache the call still reads much of the files into the page cache) and the pass faults them
+in. ``load_file`` alone would do the same, which is why it is followed by ``load_state_dict`` into a model
+whose parameters are resident. The goals are judged on resident times.
 
-    python benchmarks/bench_loader.py              # ~2 GB, tp_size 1 and 2
-    python benchmarks/bench_loader.py --small      # ~100 MB, a quick check
+Goals (issue 4): tpkit's throughput at tp_size 1 at least ``load_file``'s; at least 2x faster than
+``from_pretrained``; each rank's peak memory under 1.2x the bytes of its shard. Peak RSS is the highest RSS
+from the start of loading to the end of the pass, less the RSS before the model existed (so it holds the
+model and what loading adds; file pages mapped into the process count). tpkit and load_file build a resident
+model before their clock starts (its time is printed apart); from_pretrained builds its model on the meta
+device inside its call.
+
+Page cache: warm by default (every checkpoint file is read just before each contender starts); ``--cold``
+syncs and drops the page cache before each contender instead (it needs write access to
+/proc/sys/vm/drop_caches). Every process computes with the same number of torch threads (one by default:
+on a machine whose cores are busy, a starved OpenMP thread stalls every tensor copy); transformers' own
+loading thread pool keeps its default. Progress bars are off for all.
+
+    python benchmarks/bench_loader.py              # ~2 GB, tp_size 1 and 2, warm page cache
+    python benchmarks/bench_loader.py --cold       # the page cache dropped before each contender
+    python benchmarks/bench_loader.py --small      # ~100 MB, a quick check (writes no results file)
 """
 
 from __future__ import annotations
@@ -31,6 +46,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import platform
 import socket
 import tempfile
 import time
@@ -39,6 +55,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import safetensors
 import torch
 import torch.distributed as dist
 import transformers
@@ -60,6 +77,10 @@ SMALL_SHAPE = dict(hidden_size=512, intermediate_size=1408, num_attention_heads=
 MAX_SHARD_BYTES = 512 * 2**20
 # transformers renamed torch_dtype to dtype in 4.56.
 DTYPE_ARG = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
+DROP_CACHES = Path("/proc/sys/vm/drop_caches")
+RESULTS = Path(__file__).parent / "results" / "loader_cpu.json"
+LOAD_FILE = "load_file + load_state_dict"
+FROM_PRETRAINED = f"transformers {transformers.__version__} from_pretrained"
 
 
 def llama_config(size_gb: float, shape: dict[str, int]) -> LlamaConfig:
@@ -112,11 +133,8 @@ def make_checkpoint(path: Path, config: LlamaConfig, seed: int = 0) -> int:
 
 # --- contenders, each loading once in its own process
 
-def _param_bytes(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
 def job_load_file(path: str) -> dict[str, Any]:
+    build_start = time.perf_counter()
     config = LlamaConfig.from_pretrained(path)
     with torch.device("meta"):
         model = HFLlamaForCausalLM(config).to(torch.bfloat16)
@@ -126,6 +144,7 @@ def job_load_file(path: str) -> dict[str, Any]:
         # loading for either.
         for param in model.parameters():
             param.zero_()
+    build = time.perf_counter() - build_start
     start = _start_loading()
     loaded: set[str] = set()
     nbytes = 0
@@ -135,41 +154,69 @@ def job_load_file(path: str) -> dict[str, Any]:
         loaded.update(state)
         nbytes += sum(t.numel() * t.element_size() for t in state.values())
         del state
-    seconds = time.perf_counter() - start
+    call = time.perf_counter() - start
     assert loaded == set(model.state_dict()) - {k for k, _ in model.named_buffers()}, "keys left unloaded"
-    return dict(contender="load_file + load_state_dict", seconds=seconds, bytes=nbytes,
-                shard=_param_bytes(model))
+    return dict(contender=LOAD_FILE, bytes=nbytes, build=build, **_after_call(model, call))
 
 
 def job_from_pretrained(path: str) -> dict[str, Any]:
     start = _start_loading()
     model = HFLlamaForCausalLM.from_pretrained(path, **{DTYPE_ARG: torch.bfloat16})
-    returned = time.perf_counter() - start
-    with torch.no_grad():
-        for param in model.parameters():
-            # One element per 4 KiB page: what it costs to have every byte read in.
-            param.reshape(-1)[:: 4096 // param.element_size()].max()
-    seconds = time.perf_counter() - start
-    shard = _param_bytes(model)
-    return dict(contender=f"transformers {transformers.__version__} from_pretrained", seconds=seconds,
-                bytes=shard, shard=shard, returned=returned)
+    call = time.perf_counter() - start
+    return dict(contender=FROM_PRETRAINED, bytes=_param_bytes(model), build=None, **_after_call(model, call))
 
 
 def job_tpkit(path: str, tp_size: int) -> dict[str, Any]:
     init_tensor_parallel(tp_size)
     config = json.loads((Path(path) / "config.json").read_text())
-    # Built (and randomly initialised) before the clock starts: only loading is timed.
+    build_start = time.perf_counter()
     model = LlamaForCausalLM(config, dtype=torch.bfloat16, device="cpu")
+    build = time.perf_counter() - build_start
     if dist.is_initialized():
         dist.barrier()
     read_before = bytes_read()
     start = _start_loading()
     model.load_weights(iter_weights(resolve_checkpoint(path)))
-    seconds = time.perf_counter() - start
-    result = dict(contender=f"tpkit tp_size {tp_size}", seconds=seconds, bytes=bytes_read() - read_before,
-                  shard=_param_bytes(model))
+    call = time.perf_counter() - start
+    result = dict(contender=f"tpkit tp_size {tp_size}", bytes=bytes_read() - read_before, build=build,
+                  **_after_call(model, call))
     destroy_tensor_parallel()
     return result
+
+
+def read_every_byte(model: torch.nn.Module) -> None:
+    """Reads each byte of each parameter once (a max over them): what it takes to have them all in memory,
+    whether they were copied in already or are still views of a memory-mapped file."""
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.numel():
+                param.reshape(-1).view(torch.uint8).max()
+
+
+def _after_call(model: torch.nn.Module, call: float) -> dict[str, Any]:
+    """After the timed call: RSS then, the pass over every byte (timed), then where the parameters live."""
+    rss_at_return = _status_bytes("VmRSS")
+    pass_start = time.perf_counter()
+    read_every_byte(model)
+    resident = call + time.perf_counter() - pass_start
+    return dict(call=call, resident=resident, rss_at_return=rss_at_return, shard=_param_bytes(model),
+                in_file_maps=_bytes_in_file_maps(model))
+
+
+def _param_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _bytes_in_file_maps(model: torch.nn.Module) -> int:
+    """Parameter bytes whose memory is a mapping of a ``*.safetensors`` file (per /proc/self/maps)."""
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 6 and fields[5].endswith(".safetensors"):
+            begin, end = (int(address, 16) for address in fields[0].split("-"))
+            ranges.append((begin, end))
+    return sum(p.numel() * p.element_size() for p in model.parameters()
+               if any(begin <= p.data_ptr() < end for begin, end in ranges))
 
 
 # --- running a job in fresh processes and measuring their memory
@@ -194,7 +241,7 @@ def _worker(job: Callable[..., dict[str, Any]], args: tuple, rank: int, world_si
             port: int, results: mp.Queue) -> None:
     try:
         logging.basicConfig(level=logging.WARNING, format="    [%(name)s] %(message)s")
-        logging.getLogger("tpkit.loaders").setLevel(logging.INFO)
+        transformers.utils.logging.disable_progress_bar()
         torch.set_num_threads(threads)
         if world_size > 1:
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -203,7 +250,8 @@ def _worker(job: Callable[..., dict[str, Any]], args: tuple, rank: int, world_si
                                     timeout=datetime.timedelta(minutes=10))
         baseline = _status_bytes("VmRSS")
         result = job(*args)
-        result.update(rank=rank, peak_rss=_status_bytes("VmHWM") - baseline)
+        result.update(rank=rank, peak_rss=_status_bytes("VmHWM") - baseline,
+                      rss_at_return=result["rss_at_return"] - baseline)
         results.put(result)
     except BaseException:  # noqa: BLE001 - reported by the parent
         results.put(dict(rank=rank, error=traceback.format_exc()))
@@ -232,65 +280,108 @@ def run_job(job: Callable[..., dict[str, Any]], *args: Any, world_size: int = 1,
     return sorted(outputs, key=lambda o: o["rank"])
 
 
+def prepare_page_cache(path: Path, cold: bool) -> None:
+    """Cold: write back and drop the page cache. Warm: read every checkpoint file, so all of it is cached."""
+    if cold:
+        os.sync()
+        DROP_CACHES.write_text("3\n")
+        return
+    for file in sorted(path.glob("*.safetensors")):
+        with open(file, "rb", buffering=0) as f:
+            while f.read(64 * 2**20):
+                pass
+
+
 # --- report
 
+def machine() -> dict[str, Any]:
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    model_name = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")),
+                      platform.processor())
+    meminfo = Path("/proc/meminfo").read_text().splitlines()
+    mem_kib = next(int(line.split()[1]) for line in meminfo if line.startswith("MemTotal:"))
+    return dict(cpu=model_name, cores=os.cpu_count(), usable_cores=len(os.sched_getaffinity(0)),
+                ram_gib=round(mem_kib / 2**20, 1), kernel=platform.release(),
+                python=platform.python_version(), torch=torch.__version__,
+                safetensors=safetensors.__version__, transformers=transformers.__version__)
+
+
 def best_of_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Per contender and rank: the fastest round, with every round's time and the highest peak RSS."""
+    """Per contender and rank: the round with the shortest resident time, with every round's times and the
+    highest peak RSS of all rounds."""
     best: dict[tuple[str, int], dict[str, Any]] = {}
     for row in (row for round_rows in rounds for row in round_rows):
         key = (row["contender"], row["rank"])
-        kept = best.setdefault(key, dict(row, times=[], returned_times=[], peak_rss=0))
-        kept["times"].append(row["seconds"])
-        if "returned" in row:
-            kept["returned_times"].append(row["returned"])
-        kept["peak_rss"] = max(kept["peak_rss"], row["peak_rss"])
-        kept["seconds"] = min(kept["times"])
+        kept = best.get(key)
+        if kept is None or row["resident"] < kept["resident"]:
+            best[key] = dict(row, rounds=kept["rounds"] if kept else [],
+                             peak_rss=max(row["peak_rss"], kept["peak_rss"] if kept else 0))
+        else:
+            kept["peak_rss"] = max(kept["peak_rss"], row["peak_rss"])
+        best[key]["rounds"].append(dict(call=row["call"], resident=row["resident"]))
     return list(best.values())
 
 
-def report(rows: list[dict[str, Any]], total_bytes: int, threads: int, rounds: int) -> str:
-    lines = [f"checkpoint: {total_bytes / GB:.2f} GB of bf16 tensors; {os.cpu_count()} CPU cores, {threads} "
-             f"thread(s) per process; best of {rounds} rounds, each a fresh process loading once; "
-             f"torch {torch.__version__}",
-             "",
-             "| contender | rank | load s (best) | GB read | GB/s | peak RSS GB | shard GB | RSS / shard |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['contender']} | {r['rank']} | {r['seconds']:.2f} | {r['bytes'] / GB:.3f} | "
-                     f"{r['bytes'] / GB / r['seconds']:.2f} | {r['peak_rss'] / GB:.3f} | "
-                     f"{r['shard'] / GB:.3f} | {r['peak_rss'] / r['shard']:.2f} |")
-    lines.append("")
-    for r in rows:
-        line = f"- {r['contender']} rank {r['rank']}: rounds {', '.join(f'{t:.2f}' for t in r['times'])} s"
-        if r["returned_times"]:
-            returned = ", ".join(f"{t:.2f}" for t in r["returned_times"])
-            line += (f"; from_pretrained itself returned after {returned} s, the rest is touching every page "
-                     "of its parameters (transformers 5 leaves them memory-mapped until first used)")
-        lines.append(line)
+def goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     by_name = {r["contender"]: r for r in rows if r["rank"] == 0}
-    base = by_name.get("load_file + load_state_dict")
-    hf = next((r for name, r in by_name.items() if name.endswith("from_pretrained")), None)
-    tp1 = by_name.get("tpkit tp_size 1")
-    lines += ["", "| goal | measured | target | met |", "|---|---|---|---|"]
+    base, hf, tp1 = by_name.get(LOAD_FILE), by_name.get(FROM_PRETRAINED), by_name.get("tpkit tp_size 1")
+    out = []
     if base and tp1:
-        ratio = (tp1["bytes"] / tp1["seconds"]) / (base["bytes"] / base["seconds"])
-        lines.append(f"| tpkit tp_size 1 throughput / load_file's | {ratio:.2f}x | >= 1.00x | "
-                     f"{'yes' if ratio >= 1 else 'NO'} |")
+        for key, counts in (("resident", True), ("call", False)):
+            ratio = (tp1["bytes"] / tp1[key]) / (base["bytes"] / base[key])
+            out.append(dict(goal=f"tpkit tp_size 1 throughput / load_file's ({key} times)", measured=ratio,
+                            target=1.0, counts=counts, met=ratio >= 1.0))
     if hf and tp1:
-        ratio = hf["seconds"] / tp1["seconds"]
-        lines.append(f"| from_pretrained time / tpkit tp_size 1 time | {ratio:.2f}x | >= 2.00x | "
-                     f"{'yes' if ratio >= 2 else 'NO'} |")
+        for key, counts in (("resident", True), ("call", False)):
+            ratio = hf[key] / tp1[key]
+            out.append(dict(goal=f"from_pretrained time / tpkit tp_size 1 time ({key} times)", measured=ratio,
+                            target=2.0, counts=counts, met=ratio >= 2.0))
     for r in rows:
         if r["contender"].startswith("tpkit"):
             ratio = r["peak_rss"] / r["shard"]
-            lines.append(f"| {r['contender']} rank {r['rank']} peak RSS / shard | {ratio:.2f}x | < 1.20x | "
-                         f"{'yes' if ratio < 1.2 else 'NO'} |")
+            out.append(dict(goal=f"{r['contender']} rank {r['rank']} peak RSS / shard", measured=ratio,
+                            target=1.2, counts=True, met=ratio < 1.2))
+    return out
+
+
+def report(rows: list[dict[str, Any]], goal_rows: list[dict[str, Any]], info: dict[str, Any]) -> str:
+    m = info["machine"]
+    cache = ("cold: the page cache synced and dropped before each contender" if info["cold"] else
+             "warm: every checkpoint file read just before each contender")
+    lines = [f"machine: {m['cpu']}, {m['cores']} CPU cores ({m['usable_cores']} usable), {m['ram_gib']} GiB "
+             f"RAM, Linux {m['kernel']}; Python {m['python']}, torch {m['torch']}, safetensors "
+             f"{m['safetensors']}, transformers {m['transformers']}",
+             f"checkpoint: {info['checkpoint_bytes'] / GB:.2f} GB of bf16 tensors in {info['files']} files; "
+             f"page cache {cache}",
+             f"{info['threads']} torch thread(s) in every process; best of {info['rounds']} rounds by "
+             "resident time, each a fresh process loading once;",
+             "resident = call + one pass reading every parameter byte (the goals use it)",
+             "",
+             "| contender | rank | call s | resident s | GB read | GB/s (resident) | in file maps GB | "
+             "RSS at return GB | peak RSS GB | shard GB | peak RSS / shard |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['contender']} | {r['rank']} | {r['call']:.3f} | {r['resident']:.3f} | "
+                     f"{r['bytes'] / GB:.3f} | {r['bytes'] / GB / r['resident']:.2f} | "
+                     f"{r['in_file_maps'] / GB:.3f} | {r['rss_at_return'] / GB:.3f} | "
+                     f"{r['peak_rss'] / GB:.3f} | {r['shard'] / GB:.3f} | {r['peak_rss'] / r['shard']:.2f} |")
+    lines.append("")
+    for r in rows:
+        rounds = ", ".join(f"{t['call']:.3f}/{t['resident']:.3f}" for t in r["rounds"])
+        built = "" if r["build"] is None else f"; model built before the clock in {r['build']:.2f} s"
+        lines.append(f"- {r['contender']} rank {r['rank']}: rounds (call/resident s) {rounds}{built}")
+    lines += ["", "| goal | measured | target | met |", "|---|---|---|---|"]
+    for g in goal_rows:
+        target = f"< {g['target']:.2f}x" if "RSS" in g["goal"] else f">= {g['target']:.2f}x"
+        met = ("yes" if g["met"] else "NO") if g["counts"] else "(information)"
+        lines.append(f"| {g['goal']} | {g['measured']:.2f}x | {target} | {met} |")
     for name in sorted({r["contender"] for r in rows if r["contender"].startswith("tpkit")}):
         group = [r for r in rows if r["contender"] == name]
         if len(group) > 1:
-            seconds = max(r["seconds"] for r in group)
+            seconds = max(r["resident"] for r in group)
             throughput = sum(r["bytes"] for r in group) / GB / seconds
-            lines.append(f"| {name}: all ranks together | {throughput:.2f} GB/s | (information) | |")
+            lines.append(f"| {name}: all ranks together (resident) | {throughput:.2f} GB/s | | "
+                         "(information) |")
     return "\n".join(lines)
 
 
@@ -302,9 +393,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds of fresh processes, one per contender; the best counts (default 3)")
+    parser.add_argument("--cold", action="store_true",
+                        help="sync and drop the page cache before each contender (default: warm cache)")
     parser.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temp dir)")
+    parser.add_argument("--json", default=None,
+                        help="where to write the rows as JSON (default benchmarks/results/loader_cpu.json; "
+                        "none with --small)")
     args = parser.parse_args()
+    if args.cold and not os.access(DROP_CACHES, os.W_OK):
+        parser.error(f"--cold needs write access to {DROP_CACHES} (root)")
     os.environ.setdefault("TPKIT_DISABLE_PROGRESS", "1")
+    json_path = Path(args.json) if args.json else (None if args.small else RESULTS)
     config = llama_config(0.1 if args.small else args.size_gb, SMALL_SHAPE if args.small else FULL_SHAPE)
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench_loader_") as tmp:
         path = Path(tmp)
@@ -314,15 +413,27 @@ def main() -> None:
         print(f"made {total / GB:.2f} GB in {files} files ({config.num_hidden_layers} layers, hidden "
               f"{config.hidden_size}) in {time.perf_counter() - start:.1f} s", flush=True)
         tp_sizes = [int(t) for t in args.tp_sizes.split(",")]
+        jobs: list[tuple[Callable[..., dict[str, Any]], tuple, int]] = [
+            (job_load_file, (str(path),), 1), (job_from_pretrained, (str(path),), 1),
+            *((job_tpkit, (str(path), tp_size), tp_size) for tp_size in tp_sizes)]
         rounds = []
         for _ in range(args.rounds):
             # Contenders take turns, so that a busy spell on a shared machine hits all of them alike.
-            rows = run_job(job_load_file, str(path), threads=args.threads)
-            rows += run_job(job_from_pretrained, str(path), threads=args.threads)
-            for tp_size in tp_sizes:
-                rows += run_job(job_tpkit, str(path), tp_size, world_size=tp_size, threads=args.threads)
+            rows = []
+            for job, job_args, world_size in jobs:
+                prepare_page_cache(path, args.cold)
+                rows += run_job(job, *job_args, world_size=world_size, threads=args.threads)
             rounds.append(rows)
-    print(report(best_of_rounds(rounds), total, args.threads, args.rounds))
+    rows = best_of_rounds(rounds)
+    goal_rows = goals(rows)
+    info = dict(machine=machine(), cold=args.cold, threads=args.threads, rounds=args.rounds,
+                checkpoint_bytes=total, files=files)
+    print(report(rows, goal_rows, info))
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(dict(info, date=datetime.date.today().isoformat(), rows=rows,
+                                             goals=goal_rows, all_rounds=rounds), indent=1) + "\n")
+        print(f"\nwrote {json_path}")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shutil
 import struct
@@ -123,6 +124,89 @@ def test_views_outlive_the_handle(checkpoints):
     # The memory map lives as long as the view, whatever happened to the handle.
     expected = load_file(path / "model.safetensors")["model.embed_tokens.weight"][10:20]
     assert torch.equal(part.clone(), expected)
+
+
+def _data_spans(file: Path) -> dict[str, tuple[int, int]]:
+    """Each tensor's [start, end) byte offsets in the file, from its header."""
+    data = file.read_bytes()
+    (header_len,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + header_len])
+    return {name: (8 + header_len + info["data_offsets"][0], 8 + header_len + info["data_offsets"][1])
+            for name, info in header.items() if name != "__metadata__"}
+
+
+def test_slices_across_map_boundaries_match_safetensors(tmp_path):
+    # Several MB, so that tensors start mid-page, cross 2 MiB file offsets (where the handles' maps begin
+    # and end) and the last one ends at the end of the file (where its map is cut short).
+    g = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(3, generator=g), "b": torch.randn(700, 1031, generator=g),
+               "c": torch.randn(1500, 1333, generator=g).to(torch.bfloat16),
+               "d": torch.randn(517, 1001, generator=g)}
+    file = tmp_path / "model.safetensors"
+    save_file(tensors, file)
+    spans = _data_spans(file)
+    mib2 = 2 * 2**20
+    assert any(start % 4096 and start // mib2 < (end - 1) // mib2 for start, end in spans.values())
+    assert max(end for _, end in spans.values()) == file.stat().st_size
+    reference = load_file(file)
+    handles = dict(iter_weights(tmp_path))
+    for name in "bcd":
+        full, handle = reference[name], handles[name]
+        rows, cols = full.shape
+        third, half = rows // 3, cols // 2
+        cases = [(lambda t: t[:], full),
+                 (lambda t, a=third: t[a:2 * a], full[third:2 * third]),
+                 (lambda t, n=rows: t.narrow(0, n - 5, 5), full[rows - 5:]),
+                 (lambda t, n=cols: t[:, 7:n - 3], full[:, 7:cols - 3]),
+                 (lambda t, n=cols, h=half: t.narrow(1, h, n - h), full[:, half:])]
+        for take, expected in cases:
+            before = bytes_read()
+            got = take(handle)
+            assert torch.equal(got, expected), name
+            assert bytes_read() - before == expected.numel() * expected.element_size()
+    # Cast on the way into parameters of other dtypes, whole and by row and column pieces.
+    for dtype in (torch.float64, torch.float16, torch.bfloat16):
+        model = nn.Module()
+        for name in "bcd":
+            model.register_parameter(name, nn.Parameter(torch.zeros(reference[name].shape, dtype=dtype)))
+        load_weights(model, iter_weights(tmp_path), ignore="a", progress=False)
+        for name in "bcd":
+            assert torch.equal(model.get_parameter(name), reference[name].to(dtype)), (name, dtype)
+        param = torch.zeros(reference["c"].shape, dtype=dtype)
+        with torch.no_grad():
+            param[:700].copy_(handles["c"][:700])
+            param[700:, :600].copy_(handles["c"][700:, :600])
+            param[700:, 600:].copy_(handles["c"].narrow(0, 700, 800).narrow(1, 600, 733))
+        assert torch.equal(param, reference["c"].to(dtype))
+
+
+def test_read_ahead_is_asked_only_for_the_part_taken(checkpoints, monkeypatch):
+    path, _ = checkpoints["llama"]
+    file = path / "model.safetensors"
+    start, end = _data_spans(file)["model.layers.0.mlp.down_proj.weight"]  # [64, 128] float32
+    handle = dict(iter_weights(path))["model.layers.0.mlp.down_proj.weight"]
+    advised: list[tuple[int, int, int]] = []
+    monkeypatch.setattr(os, "posix_fadvise",
+                        lambda fd, offset, length, advice: advised.append((offset, length, advice)))
+    handle[16:48]
+    handle.narrow(0, 60, 4)
+    handle[:]
+    assert advised == [(start + 16 * 512, 32 * 512, os.POSIX_FADV_WILLNEED),
+                       (start + 60 * 512, 4 * 512, os.POSIX_FADV_WILLNEED),
+                       (start, end - start, os.POSIX_FADV_WILLNEED)]
+    advised.clear()
+    handle[:, 64:]  # a column slice's byte range holds the other columns too: left to the page faults
+    assert advised == []
+
+
+def test_file_truncated_after_its_header_was_read(tmp_path):
+    file = tmp_path / "model.safetensors"
+    save_file({"a": torch.randn(64, 64)}, file)
+    handle = dict(iter_weights(tmp_path))["a"]
+    file.write_bytes(file.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(file))}: truncated after its header was "
+                                              r"read: tensor 'a' ends at byte \d+, the file now holds \d+"):
+        handle[:8]
 
 
 # --- load_weights into transformers models (default_weight_loader everywhere) ------------------------------
