@@ -379,3 +379,26 @@ def test_loaders_survive_materialising_from_meta() -> None:
     table = torch.randn(40, HIDDEN)
     load(embedding.weight, table)
     torch.testing.assert_close(embedding.weight[:40], table, rtol=0, atol=0)
+
+
+def test_skip_init_draws_no_random_values(monkeypatch) -> None:
+    """Inside skip_init layers draw nothing (from_pretrained's build, seconds a GB saved); outside they do."""
+    from tpkit.parallel_layers import ParallelLMHead, VocabParallelEmbedding, skip_init
+
+    draws = []
+    for method in ("uniform_", "normal_"):
+        monkeypatch.setattr(torch.Tensor, method,
+                            lambda self, *args, method=method, **kwargs: draws.append(method) or self)
+    single = TPGroup(None, 0, 1)
+
+    def build() -> None:
+        QKVParallelLinear(HIDDEN, 4, 4, 2, bias=True, tp_group=single)
+        RowParallelLinear(HIDDEN, HIDDEN, tp_group=single)
+        VocabParallelEmbedding(40, HIDDEN, tp_group=single)
+        ParallelLMHead(40, HIDDEN, tp_group=single)
+
+    with skip_init():
+        build()
+    assert draws == []
+    build()
+    assert sorted(set(draws)) == ["normal_", "uniform_"]

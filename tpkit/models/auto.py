@@ -20,7 +20,7 @@ from tpkit.models.bart import BartForConditionalGeneration
 from tpkit.models.generation import PagedLM, parse_eos_token_ids
 from tpkit.models.gpt_bigcode import GPTBigCodeForCausalLM
 from tpkit.models.llama import LlamaForCausalLM
-from tpkit.parallel_layers import TPGroup, get_tp_group
+from tpkit.parallel_layers import TPGroup, get_tp_group, skip_init
 
 MODEL_CLASSES: dict[str, type[PagedLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -60,7 +60,9 @@ def from_pretrained(name_or_path: str | os.PathLike, *, dtype: torch.dtype | str
     cls = model_class(config)
     dtype = _as_dtype(dtype if dtype is not None else config.get("dtype") or config.get("torch_dtype"))
     device = torch.device(device) if device is not None else _default_device(tp_group)
-    model = cls(config, dtype=dtype, device=device, tp_group=tp_group)
+    # Every parameter is loaded below (strictly: one left out is an error), so random draws would be wasted.
+    with skip_init():
+        model = cls(config, dtype=dtype, device=device, tp_group=tp_group)
     generation_config = _read_json(path / "generation_config.json") or {}
     if generation_config.get("eos_token_id") is not None:
         model.eos_token_ids = parse_eos_token_ids(generation_config["eos_token_id"])

@@ -6,6 +6,7 @@ torch.distributed, or in a single process), or pass ``tp_group=`` to each layer.
 full checkpoint tensor (a ``torch.Tensor`` or a lazy handle that reads only the slices asked for).
 """
 
+from ._init import skip_init
 from .cross_qkv import QKVCrossParallelLinear
 from .linear import (
     ColumnParallelLinear,
@@ -45,4 +46,5 @@ __all__ = [
     "pad_vocab_size",
     "reduce_from_tp_region",
     "scatter_to_tp_region",
+    "skip_init",
 ]
