@@ -21,8 +21,11 @@ def hf_greedy(hf_model, prompts: list[list[int]], max_new_tokens: int) -> list[l
     outputs = []
     for prompt in prompts:
         ids = torch.tensor([prompt])
-        generated = hf_model.generate(ids, max_new_tokens=max_new_tokens, min_new_tokens=0, do_sample=False,
-                                      num_beams=1, eos_token_id=None, pad_token_id=0)
+        # The whole prompt attends: without a mask, transformers 4 masks every token equal to pad_token_id,
+        # and BART prompts start with BOS = 0.
+        generated = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                      min_new_tokens=0, do_sample=False, num_beams=1, eos_token_id=None,
+                                      pad_token_id=0)
         # A decoder-only model returns the prompt too; an encoder-decoder the decoder start token.
         start = 1 if hf_model.config.is_encoder_decoder else len(prompt)
         new_tokens = generated[0, start:].tolist()

@@ -10,8 +10,10 @@ import json
 
 import pytest
 import torch
+import transformers
 from checkpoints import make_checkpoint, make_llama_checkpoint
 from model_parity import decoder_only_references, run_parity
+from packaging.version import Version
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [20], [30, 31, 32, 33, 34, 35, 36]]
@@ -20,10 +22,21 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "lo
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 
 
+def _llama3_rope_config() -> dict:
+    """LLAMA3_ROPE as the installed transformers' config takes it."""
+    if Version(transformers.__version__).major >= 5:
+        return {"rope_parameters": dict(LLAMA3_ROPE)}
+    return {"rope_theta": LLAMA3_ROPE["rope_theta"],
+            "rope_scaling": {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}}
+
+
 def _as_transformers4_config(path) -> None:
-    """Rewrite config.json as transformers 4 wrote it: rope_theta + rope_scaling, torch_dtype."""
+    """Rewrite config.json as transformers 4 wrote it: rope_theta + rope_scaling, torch_dtype (a no-op when
+    transformers 4 wrote it)."""
     file = path / "config.json"
     config = json.loads(file.read_text())
+    if "rope_parameters" not in config:
+        return
     rope = config.pop("rope_parameters")
     config["rope_theta"] = rope.pop("rope_theta")
     config["rope_scaling"] = rope
@@ -42,7 +55,7 @@ def llama(tmp_path_factory):
 def llama_tied_bias_llama3(tmp_path_factory):
     path = tmp_path_factory.mktemp("llama_tied")
     hf_model = make_llama_checkpoint(path, tie_word_embeddings=True, attention_bias=True,
-                                     rope_parameters=dict(LLAMA3_ROPE), max_shard_size="40KB")
+                                     **_llama3_rope_config(), max_shard_size="40KB")
     _as_transformers4_config(path)
     return str(path), hf_model, decoder_only_references(hf_model, PROMPTS, MAX_NEW_TOKENS)
 
@@ -80,12 +93,15 @@ def test_llama3_inverse_frequencies_match_transformers():
 
     from tpkit.models.rope import inverse_frequencies, rope_parameters
 
-    config = LlamaConfig(hidden_size=512, num_attention_heads=4, max_position_embeddings=8192,
-                         rope_parameters=dict(LLAMA3_ROPE, original_max_position_embeddings=2048))
-    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](config)
     transformers4 = {"max_position_embeddings": 8192, "rope_theta": 500000.0,
                      "rope_scaling": {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}
                      | {"original_max_position_embeddings": 2048}}
+    if Version(transformers.__version__).major >= 5:
+        config = LlamaConfig(hidden_size=512, num_attention_heads=4, max_position_embeddings=8192,
+                             rope_parameters=dict(LLAMA3_ROPE, original_max_position_embeddings=2048))
+    else:
+        config = LlamaConfig(hidden_size=512, num_attention_heads=4, **transformers4)
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](config, None)  # device None: the CPU (positional in 4.x)
     for config_json in (config.to_dict(), transformers4):
         assert torch.equal(inverse_frequencies(128, rope_parameters(config_json)), expected)
 
