@@ -119,6 +119,23 @@ def test_paged_attention_long_context() -> None:
     _check_attention(torch.bfloat16, 128, 32, 8, 1, [131072 + 37, 3], alibi=True, seed=5)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="needs Hopper (thread-block clusters)")
+@pytest.mark.parametrize(("seq_len", "cluster_merge"), [(256, 1), (2048, 0)])
+def test_paged_attention_merge_paths(seq_len: int, cluster_merge: int) -> None:
+    """On Hopper, a split into at most 8 partitions merges inside a thread-block cluster; more partitions
+    (bench_paged_attention's C3 shapes: 8 sequences of 2048 tokens, MQA 48:1) take the merge kernel. Both
+    against the CPU op, with empty and short sequences whose later partitions hold nothing."""
+    seq_lens = [0, 1, 17, 64, 65, seq_len // 2, seq_len - 1, seq_len]
+    dev = torch.device("cuda")
+    width = seq_len // 16 + 1  # as _make_paged builds the block tables
+    plan = _cuda.launch_plan(torch.empty(8, 48, 128, dtype=torch.float16, device=dev),
+                             torch.empty(4, 16, 1, 128, dtype=torch.float16, device=dev),
+                             torch.zeros(8, width, dtype=torch.int32, device=dev))
+    assert plan["num_partitions"] > 1 and plan["cluster_merge"] == cluster_merge, plan
+    _check_attention(torch.float16, 128, 16, 48, 1, seq_lens, alibi=False, seed=seq_len)
+
+
 def test_paged_attention_strided_query() -> None:
     """A query that is a view into a wider tensor (the output of a fused QKV projection)."""
     generator = torch.Generator().manual_seed(3)

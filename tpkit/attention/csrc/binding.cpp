@@ -87,7 +87,7 @@ std::map<std::string, int64_t> plan(const at::Tensor& query, const at::Tensor& k
   check_launch(tpkit_paged_attention_plan(&a), "paged_attention planning");
   return {{"num_partitions", a.num_partitions}, {"partition_size", a.partition_size}, {"m_groups", a.m_groups},
           {"warps_m", a.warps_m}, {"warps_n", a.warps_n}, {"num_stages", a.num_stages}, {"threads", a.threads},
-          {"smem_bytes", a.smem_bytes}};
+          {"smem_bytes", a.smem_bytes}, {"cluster_merge", a.cluster_merge}};
 }
 
 void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
@@ -175,7 +175,7 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   check_launch(tpkit_paged_attention_plan(&a), "paged_attention planning");
 
   at::Tensor tmp_out, tmp_lse;
-  if (a.num_partitions > 1) {
+  if (a.num_partitions > 1 && !a.cluster_merge) {
     const auto opts = query.options().dtype(at::kFloat);
     tmp_out = at::empty({num_seqs, num_heads, a.num_partitions, head_size}, opts);
     tmp_lse = at::empty({num_seqs, num_heads, a.num_partitions}, opts);

@@ -21,6 +21,11 @@ cudaError_t kernel_dynamic_smem_limit(const void* kernel, int* limit);
 // dynamic shared-memory limit). Cached.
 cudaError_t kernel_occupancy(const void* kernel, int threads, int smem_bytes, int* blocks_per_sm);
 
+// Thread-block clusters of `cluster_size` blocks (along y) of `kernel` that the current device (sm_90+) can
+// run at once with this launch shape. Cached.
+cudaError_t kernel_max_active_clusters(const void* kernel, int threads, int smem_bytes, int cluster_size,
+                                       int* clusters);
+
 // Chooses num_partitions and partition_size from the shapes: split a sequence's context only when
 // (num_seqs x num_kv_heads x m_groups) thread blocks leave resident-block slots idle, and then into at
 // most one wave of blocks.

@@ -43,6 +43,8 @@ typedef struct {
   // Filled by tpkit_paged_attention_plan from the shapes alone (never from seq_lens' values, so the plan
   // is the same in every replay of a CUDA graph).
   int num_partitions;  // split-K partitions per sequence; 1: no split, no scratch
+  int cluster_merge;   // 1: a (sequence, KV head)'s partitions run as one thread-block cluster and merge
+                       // through distributed shared memory (Hopper): no scratch, no merge kernel
   int partition_size;  // tokens per partition, a multiple of the kernel's tile
   int m_groups;        // thread blocks per KV head along the query-head axis (1 unless the group is huge)
   int rows_per_cta;    // query rows (heads) one thread block serves
@@ -54,7 +56,7 @@ typedef struct {
   int block_size_log2;
   float scale_log2;         // scale * log2(e)
 
-  // Split-K scratch, allocated by the caller after planning when num_partitions > 1:
+  // Split-K scratch, allocated by the caller after planning when num_partitions > 1 and not cluster_merge:
   // tmp_out float32 [num_seqs, num_heads, num_partitions, head_size], tmp_lse float32
   // [num_seqs, num_heads, num_partitions] (log2-domain log-sum-exp of each partition).
   float* tmp_out;

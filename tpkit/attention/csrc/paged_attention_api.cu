@@ -98,6 +98,43 @@ cudaError_t kernel_occupancy(const void* kernel, int threads, int smem_bytes, in
   return cudaSuccess;
 }
 
+cudaError_t kernel_max_active_clusters(const void* kernel, int threads, int smem_bytes, int cluster_size,
+                                       int* clusters) {
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  using Key = std::tuple<int, const void*, int, int, int>;
+  static std::map<Key, int> cache;
+  const Key key{device, kernel, threads, smem_bytes, cluster_size};
+  {
+    std::lock_guard<std::mutex> lock(cache_mutex());
+    const auto it = cache.find(key);
+    if (it != cache.end()) {
+      *clusters = it->second;
+      return cudaSuccess;
+    }
+  }
+  int limit = 0;
+  if ((err = kernel_dynamic_smem_limit(kernel, &limit)) != cudaSuccess) return err;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(1, cluster_size, 1);
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = smem_bytes;
+  cudaLaunchAttribute attr = {};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = 1;
+  attr.val.clusterDim.y = cluster_size;
+  attr.val.clusterDim.z = 1;
+  config.attrs = &attr;
+  config.numAttrs = 1;
+  int n = 0;
+  if ((err = cudaOccupancyMaxActiveClusters(&n, kernel, &config)) != cudaSuccess) return err;
+  std::lock_guard<std::mutex> lock(cache_mutex());
+  cache[key] = n;
+  *clusters = n;
+  return cudaSuccess;
+}
+
 void plan_partitions(tpkit_paged_attention_args* a, int concurrent_blocks, double write_cost) {
   const int64_t capacity = static_cast<int64_t>(a->max_blocks_per_seq) * a->block_size;
   const int max_tiles = static_cast<int>(std::max<int64_t>(1, (capacity + kPlanTile - 1) / kPlanTile));
@@ -192,6 +229,7 @@ cudaError_t tpkit_paged_attention_plan(tpkit_paged_attention_args* a) {
   while ((1 << log2) < a->block_size) ++log2;
   a->block_size_log2 = log2;
   a->scale_log2 = a->scale * tpkit::kLog2e;
+  a->cluster_merge = 0;
   a->tmp_out = nullptr;
   a->tmp_lse = nullptr;
   cudaError_t err;
@@ -208,7 +246,9 @@ cudaError_t tpkit_paged_attention_plan(tpkit_paged_attention_args* a) {
 
 cudaError_t tpkit_paged_attention_launch(const tpkit_paged_attention_args* a, cudaStream_t stream) {
   if (a->num_seqs == 0) return cudaSuccess;
-  if (a->num_partitions > 1 && (a->tmp_out == nullptr || a->tmp_lse == nullptr)) return cudaErrorInvalidValue;
+  if (a->num_partitions > 1 && !a->cluster_merge && (a->tmp_out == nullptr || a->tmp_lse == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
   switch (a->dtype) {
     case TPKIT_FLOAT16: return tpkit::launch_float16(a, stream);
     case TPKIT_BFLOAT16: return tpkit::launch_bfloat16(a, stream);

@@ -30,25 +30,40 @@ cudaError_t dispatch_head_size(int head_size, F&& f) {
   }
 }
 
-template <typename T>
-cudaError_t launch_merge(const tpkit_paged_attention_args* a, cudaStream_t stream) {
-  if (a->num_partitions <= 1) return cudaSuccess;
+// Launches `kernel` on `stream`; on Hopper as a programmatic dependent launch: its blocks may be scheduled
+// while the previous kernel in the stream drains (they wait for its results with griddepcontrol.wait), so
+// the launch gap between the two overlaps that kernel's tail. cluster_size > 1: clusters of that many
+// blocks along y.
+template <typename Kernel>
+cudaError_t launch_dependent(Kernel kernel, dim3 grid, int threads, int smem_bytes, int cluster_size,
+                             const tpkit_paged_attention_args* a, cudaStream_t stream) {
   int major = 0;
   const cudaError_t err = current_device_attribute(cudaDevAttrComputeCapabilityMajor, &major);
   if (err != cudaSuccess) return err;
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(ceil_div(a->num_heads, kMergeRowsPerBlock), a->num_seqs);
-  config.blockDim = dim3(kMergeThreads);
-  config.dynamicSmemBytes = static_cast<size_t>(kMergeRowsPerBlock) * a->num_partitions * sizeof(float);
+  config.gridDim = grid;
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = static_cast<size_t>(smem_bytes);
   config.stream = stream;
-  // Hopper: a programmatic dependent launch. The merge grid is launched while the attention grid drains and
-  // waits (griddepcontrol.wait) for its results, so the launch gap between the two overlaps the tail.
-  cudaLaunchAttribute attr = {};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attr;
-  config.numAttrs = major >= 9 ? 1 : 0;
-  return cudaLaunchKernelEx(&config, paged_attention_merge_kernel<T>, *a);
+  cudaLaunchAttribute attrs[2] = {};
+  attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attrs[0].val.programmaticStreamSerializationAllowed = 1;
+  attrs[1].id = cudaLaunchAttributeClusterDimension;
+  attrs[1].val.clusterDim.x = 1;
+  attrs[1].val.clusterDim.y = cluster_size;
+  attrs[1].val.clusterDim.z = 1;
+  config.attrs = attrs;
+  config.numAttrs = major < 9 ? 0 : (cluster_size > 1 ? 2 : 1);
+  return cudaLaunchKernelEx(&config, kernel, *a);
+}
+
+template <typename T>
+cudaError_t launch_merge(const tpkit_paged_attention_args* a, cudaStream_t stream) {
+  if (a->num_partitions <= 1 || a->cluster_merge) return cudaSuccess;
+  // The merge waits (griddepcontrol.wait) for the attention grid, which lets it launch after its main loop.
+  const dim3 grid(ceil_div(a->num_heads, kMergeRowsPerBlock), a->num_seqs);
+  const int smem_bytes = kMergeRowsPerBlock * a->num_partitions * static_cast<int>(sizeof(float));
+  return launch_dependent(paged_attention_merge_kernel<T>, grid, kMergeThreads, smem_bytes, 1, a, stream);
 }
 
 template <typename T, int HEAD>
@@ -66,7 +81,7 @@ cudaError_t plan_mma(tpkit_paged_attention_args* a) {
   const int rows = warps_m * 16;
   const int stage_bytes = 2 * kTileTokens * L::kRowStride * 16;
   const int q_bytes = rows * L::kRowStride * 16;
-  const int epilogue_bytes = (2 * num_warps * 16 + 2 * rows) * 4 + num_warps * 16 * L::kOutStride * 4;
+  const int epilogue_bytes = (2 * num_warps * 16 + 3 * rows) * 4 + num_warps * 16 * L::kOutStride * 4;
   // Pipeline depth against resident blocks (registers and shared memory decide how many fit). Long blocks
   // of small groups (one row tile, >= 32 tiles per sequence) take the most 64-token tiles in flight per
   // multiprocessor, (stages - 1) x resident blocks. Otherwise a depth that keeps more blocks resident wins
@@ -110,14 +125,25 @@ cudaError_t plan_mma(tpkit_paged_attention_args* a) {
   const int rows_written = std::min(a->group_size, rows);
   const double write_cost = rows_written * (HEAD + 1) * 4.0 / (2.0 * kTileTokens * HEAD * sizeof(T));
   plan_partitions(a, num_sms * std::max(blocks_per_sm, 1), write_cost);
+  // Hopper: a (sequence, KV head)'s partitions as one cluster, merged in shared memory, when every cluster
+  // of the grid can be resident at once (clusters must fit within one GPC).
+  a->cluster_merge = 0;
+  int major = 0;
+  if ((err = current_device_attribute(cudaDevAttrComputeCapabilityMajor, &major)) != cudaSuccess) return err;
+  if (major >= 9 && a->num_partitions > 1 && a->num_partitions <= kMaxClusterSize) {
+    int clusters = 0;
+    err = kernel_max_active_clusters(kernel, a->threads, smem, a->num_partitions, &clusters);
+    if (err != cudaSuccess) return err;
+    a->cluster_merge = clusters >= static_cast<int64_t>(a->num_seqs) * a->num_kv_heads * m_groups ? 1 : 0;
+  }
   return cudaSuccess;
 }
 
 template <typename T, int HEAD>
 cudaError_t launch_mma(const tpkit_paged_attention_args* a, cudaStream_t stream) {
   const dim3 grid(a->num_kv_heads * a->m_groups, a->num_partitions, a->num_seqs);
-  paged_attention_mma_kernel<T, HEAD><<<grid, a->threads, a->smem_bytes, stream>>>(*a);
-  const cudaError_t err = cudaGetLastError();
+  const cudaError_t err = launch_dependent(paged_attention_mma_kernel<T, HEAD>, grid, a->threads, a->smem_bytes,
+                                           a->cluster_merge ? a->num_partitions : 1, a, stream);
   if (err != cudaSuccess) return err;
   return launch_merge<T>(a, stream);
 }
@@ -144,6 +170,7 @@ cudaError_t plan_fp32(tpkit_paged_attention_args* a) {
   a->num_stages = 1;
   a->threads = kFp32Threads;
   a->smem_bytes = smem;
+  a->cluster_merge = 0;
   const double write_cost = rows * (HEAD + 1) * 4.0 / (2.0 * kTileTokens * HEAD * 4.0);
   plan_partitions(a, num_sms * std::max(blocks_per_sm, 1), write_cost);
   return cudaSuccess;

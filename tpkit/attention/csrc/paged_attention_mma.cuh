@@ -6,7 +6,9 @@
 // memory. K/V pages stream through a multi-stage cp.async pipeline of 64-token tiles; masked tokens are
 // zero-filled. Warps split the query rows in 16-row tiles (warps_m) and each tile's tokens (warps_n), each
 // keeping its own online softmax; the epilogue merges the warps' partial results through shared memory and
-// writes either the output or, with split-K, the partition's normalised output and log-sum-exp.
+// writes either the output or, with split-K, the partition's normalised output and log-sum-exp: to global
+// memory for the merge kernel, or (Hopper) to shared memory, where the partitions of a thread-block cluster
+// merge them through distributed shared memory.
 #pragma once
 
 #include <math.h>
@@ -22,6 +24,9 @@ constexpr int kLoaderThreads = 128;  // threads that issue the cp.async copies (
 constexpr int kMaxThreads = 256;
 constexpr int kMinBlockSize = 8;  // smallest supported KV block: at most 8 pages per tile
 constexpr int kPageRing = 8;      // page-id slots, one per tile; more than the deepest pipeline (4) + 1
+// Partitions merged in one cluster: the portable maximum. (16, non-portable, made C3's 16 partitions slower
+// than the merge kernel: 18.4 against 17.9 us on the H200.)
+constexpr int kMaxClusterSize = 8;
 
 // Shared-memory layout of one row (a token's K or V, or a query) in 16-byte chunks.
 template <int HEAD>
@@ -37,8 +42,13 @@ struct MmaLayout {
   static constexpr bool kQueryInRegisters = kKSteps <= 4; // hold Q fragments (<= 16 registers)
 };
 
+// Register caps that keep each head size at the occupancy its kernel had before the cluster merge was added
+// (v10): <= 80 registers for head 32, <= 128 (16 warps per SM) for 64-96, <= 168 (12 warps) for 112-128.
+constexpr int max_registers(int head) { return head <= 32 ? 80 : head <= 96 ? 128 : head <= 128 ? 168 : 255; }
+
 template <typename T, int HEAD>
-__global__ void __launch_bounds__(kMaxThreads) paged_attention_mma_kernel(const tpkit_paged_attention_args p) {
+__global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
+    paged_attention_mma_kernel(const tpkit_paged_attention_args p) {
   using L = MmaLayout<HEAD>;
   using Traits = DTypeTraits<T>;
   constexpr int C = L::kChunks;
@@ -62,14 +72,15 @@ __global__ void __launch_bounds__(kMaxThreads) paged_attention_mma_kernel(const 
   const int rows_valid = min(rows, p.group_size - first_row);
   const int head0 = kv_head * p.group_size + first_row;
 
-  // Clamped to the table's capacity: a bad length must not read past the sequence's table row.
-  const int seq_len = min(p.seq_lens[seq], p.max_blocks_per_seq << p.block_size_log2);
+  // Launched as a programmatic dependent (Hopper): the blocks may start while the previous kernel in the
+  // stream drains; every input may come from it, so nothing is read before it has finished.
+  grid_wait_primary();
+  // Issued first; the block-table and query reads below do not depend on it, so the three are in flight
+  // together (a small grid's time is a chain of memory latencies: length and pages, then K/V).
+  const int seq_len_read = p.seq_lens[seq];
+  const int capacity = p.max_blocks_per_seq << p.block_size_log2;
   const int start = partition * p.partition_size;
-  const int end = min(start + p.partition_size, seq_len);
-  const bool split = p.num_partitions > 1;
-  // The merge only reads partitions that hold tokens.
-  if (split && start >= seq_len) return;
-  const int num_tiles = end > start ? (end - start + kTileTokens - 1) / kTileTokens : 0;
+  const int table_end = min(start + p.partition_size, capacity);  // this partition's table entries
   const int num_stages = p.num_stages;
 
   uint4* q_s = smem;                                 // [rows][RS]
@@ -84,12 +95,42 @@ __global__ void __launch_bounds__(kMaxThreads) paged_attention_mma_kernel(const 
   const int pages_per_tile = kTileTokens >> bs_log2;
 
   // Physical pages of the tiles ahead, one ring slot per tile: the block-table reads of a tile are issued
-  // an iteration before its copies, so no copy waits on a dependent global load.
+  // an iteration before its copies, so no copy waits on a dependent global load. Entries past the
+  // sequence's end (but inside its table row) are read too, so the reads need not wait for its length;
+  // the copies skip their tokens.
   __shared__ int page_s[kPageRing][kTileTokens / kMinBlockSize];
-  auto page_of = [&](int tile, int j) -> int {  // j-th page of tile, or -1 past the end
+  auto page_of = [&](int tile, int j) -> int {  // j-th page of tile, or -1 past the partition's entries
     const int pos = start + tile * kTileTokens + (j << bs_log2);
-    return (tile < num_tiles && pos < end) ? __ldg(bt_row + (pos >> bs_log2)) : -1;
+    return pos < table_end ? __ldg(bt_row + (pos >> bs_log2)) : -1;
   };
+
+  // Prologue: pages of the first num_stages tiles (at most 4 x 8 entries, one a thread) and the query (its
+  // own cp.async group, the first) in flight together; then tiles 0 .. num_stages - 2.
+  const bool reads_page = tid < num_stages * pages_per_tile;
+  const int first_page = reads_page ? page_of(tid / pages_per_tile, tid % pages_per_tile) : -1;
+  {
+    const T* q_base = static_cast<const T*>(p.query) + static_cast<int64_t>(seq) * p.q_stride_seq;
+    for (int i = tid; i < rows * L::kPaddedChunks; i += blockDim.x) {
+      const int r = i / L::kPaddedChunks;
+      const int c = i - r * L::kPaddedChunks;
+      const bool valid = r < rows_valid && c < C;  // padding rows and the head-120 pad chunk: zeros
+      const T* src = valid ? q_base + static_cast<int64_t>(head0 + r) * p.q_stride_head + c * 8 : q_base;
+      cp_async_16(smem_addr(q_s + r * RS + c), src, valid);
+    }
+    cp_async_commit();
+  }
+
+  // Clamped to the table's capacity: a bad length must not read past the sequence's table row.
+  const int seq_len = min(seq_len_read, capacity);
+  const int end = min(start + p.partition_size, seq_len);
+  const bool split = p.num_partitions > 1;
+  const bool cluster = p.cluster_merge != 0;
+  // The merge kernel only reads partitions that hold tokens; a cluster's blocks must all reach its barriers.
+  if (split && !cluster && start >= seq_len) {
+    cp_async_wait<0>();  // the query's copies land before the block's shared memory is given back
+    return;
+  }
+  const int num_tiles = end > start ? (end - start + kTileTokens - 1) / kTileTokens : 0;
 
   // Copies tile `tile` (64 tokens of K and V) into pipeline stage `stage`; zero-fills masked tokens.
   auto issue_tile = [&](int tile, int stage) {
@@ -115,26 +156,10 @@ __global__ void __launch_bounds__(kMaxThreads) paged_attention_mma_kernel(const 
     }
   };
 
-  // Prologue: pages of the first num_stages tiles, then the query (its own cp.async group, the first),
-  // then tiles 0 .. num_stages - 2, all in flight together.
-  for (int i = tid; i < num_stages * pages_per_tile; i += blockDim.x) {
-    const int tile = i / pages_per_tile;
-    page_s[tile % kPageRing][i - tile * pages_per_tile] = page_of(tile, i - tile * pages_per_tile);
-  }
-  {
-    const T* q_base = static_cast<const T*>(p.query) + static_cast<int64_t>(seq) * p.q_stride_seq;
-    for (int i = tid; i < rows * L::kPaddedChunks; i += blockDim.x) {
-      const int r = i / L::kPaddedChunks;
-      const int c = i - r * L::kPaddedChunks;
-      const bool valid = r < rows_valid && c < C;  // padding rows and the head-120 pad chunk: zeros
-      const T* src = valid ? q_base + static_cast<int64_t>(head0 + r) * p.q_stride_head + c * 8 : q_base;
-      cp_async_16(smem_addr(q_s + r * RS + c), src, valid);
-    }
-    cp_async_commit();
-    if constexpr (L::kPaddedChunks > C) {
-      // The k-step padding column (head size 120) is never copied into: zero it once in every stage.
-      for (int i = tid; i < 2 * num_stages * kTileTokens; i += blockDim.x) k_s[i * RS + C] = make_uint4(0u, 0u, 0u, 0u);
-    }
+  if (reads_page) page_s[(tid / pages_per_tile) % kPageRing][tid % pages_per_tile] = first_page;
+  if constexpr (L::kPaddedChunks > C) {
+    // The k-step padding column (head size 120) is never copied into: zero it once in every stage.
+    for (int i = tid; i < 2 * num_stages * kTileTokens; i += blockDim.x) k_s[i * RS + C] = make_uint4(0u, 0u, 0u, 0u);
   }
   __syncthreads();  // page_s
   for (int s = 0; s < num_stages - 1; ++s) {
@@ -286,7 +311,8 @@ __global__ void __launch_bounds__(kMaxThreads) paged_attention_mma_kernel(const 
   float* red_l = red_m + num_warps * 16;          // [num_warps][16]
   float* row_m = red_l + num_warps * 16;          // [rows]
   float* row_l = row_m + rows;                    // [rows]
-  float* red_o = row_l + rows;                    // [num_warps][16][kOutStride]
+  float* row_lse = row_l + rows;                  // [rows] (cluster merge)
+  float* red_o = row_lse + rows;                  // [num_warps][16][kOutStride]
   if ((lane & 3) == 0) {
     red_m[warp * 16 + (lane >> 2)] = m0;
     red_m[warp * 16 + (lane >> 2) + 8] = m1;
@@ -324,10 +350,12 @@ __global__ void __launch_bounds__(kMaxThreads) paged_attention_mma_kernel(const 
   // Four columns a thread: one float4 per warp slice in, one 8- or 16-byte store out (a block's few rows
   // must not cost more instructions than its tiles).
   constexpr int kVecs = HEAD / 4;
+  // Row r's finished columns, in the first warp slice of its row tile's partial results.
+  auto row_out = [&](int r) { return red_o + ((r >> 4) * p.warps_n * 16 + (r & 15)) * L::kOutStride; };
   for (int i = tid; i < rows_valid * kVecs; i += blockDim.x) {
     const int r = i / kVecs;
     const int d = (i - r * kVecs) * 4;
-    const float* src = red_o + ((r >> 4) * p.warps_n * 16 + (r & 15)) * L::kOutStride + d;
+    float* src = row_out(r) + d;
     float4 acc = *reinterpret_cast<const float4*>(src);
     for (int wn = 1; wn < p.warps_n; ++wn) {
       const float4 x = *reinterpret_cast<const float4*>(src + wn * 16 * L::kOutStride);
@@ -347,12 +375,58 @@ __global__ void __launch_bounds__(kMaxThreads) paged_attention_mma_kernel(const 
       Traits::store4(static_cast<T*>(p.out) + static_cast<int64_t>(seq) * p.o_stride_seq +
                          static_cast<int64_t>(head) * p.o_stride_head + d,
                      acc);
+    } else if (cluster) {
+      // Kept for the cluster's merge: each (r, d) is this thread's alone, so it overwrites what it read.
+      *reinterpret_cast<float4*>(src) = acc;
+      if (d == 0) row_lse[r] = sum > 0.f ? row_m[r] + log2f(sum) : -INFINITY;
     } else {
       const int64_t row_index = (static_cast<int64_t>(seq) * p.num_heads + head) * p.num_partitions + partition;
       *reinterpret_cast<float4*>(p.tmp_out + row_index * HEAD + d) = acc;
       if (d == 0) p.tmp_lse[row_index] = sum > 0.f ? row_m[r] + log2f(sum) : -INFINITY;
     }
   }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // clusters: Hopper and newer (the plan never asks before)
+  if (!cluster) return;
+
+  // Split-K merge inside the cluster: block `rank` finishes every num_partitions-th (row, 4 columns) item,
+  // reading each partition's result and log-sum-exp from that partition's shared memory. No float32
+  // partials in global memory, no second kernel.
+  cluster_sync();  // every partition's row_out and row_lse are written
+  const int rank = cluster_rank();
+  const int num_parts = p.num_partitions;
+  for (int i = rank * blockDim.x + tid; i < rows_valid * kVecs; i += num_parts * blockDim.x) {
+    const int r = i / kVecs;
+    const int d = (i - r * kVecs) * 4;
+    const uint32_t lse_addr = smem_addr(row_lse + r);
+    const uint32_t o_addr = smem_addr(row_out(r) + d);
+    float mx = -INFINITY;
+#pragma unroll
+    for (int c = 0; c < kMaxClusterSize; ++c) {
+      if (c < num_parts) mx = fmaxf(mx, cluster_load(cluster_map(lse_addr, c)));
+    }
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    float sum = 0.f;
+#pragma unroll
+    for (int c = 0; c < kMaxClusterSize; ++c) {
+      if (c < num_parts) {
+        // Partitions past the end, and rows with nothing attended, weigh 0 (their results are zeros).
+        const float lse = cluster_load(cluster_map(lse_addr, c));
+        const float4 x = cluster_load4(cluster_map(o_addr, c));
+        const float w = lse == -INFINITY ? 0.f : fast_exp2(lse - mx);
+        acc.x = fmaf(w, x.x, acc.x);
+        acc.y = fmaf(w, x.y, acc.y);
+        acc.z = fmaf(w, x.z, acc.z);
+        acc.w = fmaf(w, x.w, acc.w);
+        sum += w;
+      }
+    }
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    Traits::store4(static_cast<T*>(p.out) + static_cast<int64_t>(seq) * p.o_stride_seq +
+                       static_cast<int64_t>(head0 + r) * p.o_stride_head + d,
+                   make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
+  }
+  cluster_sync();  // no block exits while another still reads its shared memory
+#endif
 }
 
 }  // namespace tpkit

@@ -1,5 +1,6 @@
 // Thin wrappers over the PTX the kernels use (sm_80 and newer): asynchronous 16-byte copies into shared
-// memory, ldmatrix, the m16n8k16 tensor-core product with float32 accumulators, ex2. Torch-free.
+// memory, ldmatrix, the m16n8k16 tensor-core product with float32 accumulators, programmatic dependent
+// launch, thread-block cluster barriers and distributed shared memory, ex2. Torch-free.
 #pragma once
 
 #include <stdint.h>
@@ -79,6 +80,61 @@ __device__ __forceinline__ void grid_wait_primary() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
+}
+
+// Thread-block clusters (sm_90+; never called on older devices, where these compile to a trap). Every
+// thread of every block in the cluster must reach cluster_sync; it orders their shared-memory writes before
+// the reads of any block after it.
+__device__ __forceinline__ void cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#else
+  __trap();
+#endif
+}
+
+__device__ __forceinline__ int cluster_rank() {
+  uint32_t rank = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+#else
+  __trap();
+#endif
+  return static_cast<int>(rank);
+}
+
+// The address of this block's shared-memory location `addr` in the shared memory of cluster block `rank`.
+__device__ __forceinline__ uint32_t cluster_map(uint32_t addr, int rank) {
+  uint32_t mapped = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(mapped) : "r"(addr), "r"(rank));
+#else
+  __trap();
+#endif
+  return mapped;
+}
+
+__device__ __forceinline__ float cluster_load(uint32_t addr) {
+  float v = 0.f;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
+#else
+  __trap();
+#endif
+  return v;
+}
+
+__device__ __forceinline__ float4 cluster_load4(uint32_t addr) {
+  float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(addr)
+               : "memory");
+#else
+  __trap();
+#endif
+  return v;
 }
 
 // 2^x; exact 0 for -inf. Scores are kept in the log2 domain (scale folded with log2(e)).
