@@ -251,6 +251,15 @@ def _tpkit_call(s: InputSet) -> Callable[[], torch.Tensor]:
     return lambda: paged_attention(s.query, s.key_cache, s.value_cache, s.block_tables, s.seq_lens, out=out)
 
 
+def _tpkit_head_major_call(s: InputSet) -> Callable[[], torch.Tensor]:
+    """tpkit's op on the same pages stored head-major: [num_blocks, Hkv, BLOCK_SIZE, D] in memory, passed as
+    a [num_blocks, BLOCK_SIZE, Hkv, D] view, so each KV head's page is one contiguous run of 16 rows."""
+    key_cache = s.key_cache.transpose(1, 2).contiguous().transpose(1, 2)
+    value_cache = s.value_cache.transpose(1, 2).contiguous().transpose(1, 2)
+    out = torch.empty_like(s.query)
+    return lambda: paged_attention(s.query, key_cache, value_cache, s.block_tables, s.seq_lens, out=out)
+
+
 def _bench_config(cfg: Config, args: argparse.Namespace, copy_bw: float, flex: _Flex | None,
                   rows: list[dict]) -> None:
     num_sets = max(1, math.ceil(args.min_kv_mb * 1e6 / cfg.kv_bytes))
@@ -261,7 +270,8 @@ def _bench_config(cfg: Config, args: argparse.Namespace, copy_bw: float, flex: _
         s.key = _gather(s.key_cache, s.block_tables).contiguous()
         s.value = _gather(s.value_cache, s.block_tables).contiguous()
 
-    impls: list[tuple[str, Callable[[InputSet], Callable[[], torch.Tensor]]]] = [("tpkit", _tpkit_call)]
+    impls: list[tuple[str, Callable[[InputSet], Callable[[], torch.Tensor]]]] = [
+        ("tpkit", _tpkit_call), ("tpkit-head-major", _tpkit_head_major_call)]
     impls += [(name, lambda s, b=backend: _sdpa_call(s, b)) for name, backend in SDPA_BACKENDS.items()]
     impls += [("sdpa-default", lambda s: _sdpa_call(s, None)), ("naive-gather-sdpa", _naive_call)]
     if args.impls is not None:
