@@ -1,5 +1,6 @@
 """Decode attention on one GPU: tpkit's paged kernel against torch SDPA on contiguous KV, a naive
-gather-then-SDPA, FlexAttention over the paged layout, and (from the anchors file) vLLM's kernels.
+gather-then-SDPA, FlexAttention over the paged layout, and (from the anchors file) vLLM's kernels. tpkit
+also runs on the same pages stored head-major (``tpkit-head-major``), to show what the cache layout costs.
 
     PYTHONPATH=. python benchmarks/bench_paged_attention.py [--only C1,C3] [--config name:dtype:B:L:Hq:Hkv]
 
