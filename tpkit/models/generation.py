@@ -14,6 +14,7 @@ Models plug in through :class:`PagedLM`'s hooks; decoder-only models get them al
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from abc import ABC, abstractmethod
@@ -147,6 +148,18 @@ def right_pad(token_lists: Sequence[Sequence[int]], device: torch.device) -> tor
                         device=device)
 
 
+def _widen(metadata: Mapping[str, AttentionMetadata],
+           max_blocks: Mapping[str, int]) -> dict[str, AttentionMetadata]:
+    """The metadata with each cache's block tables zero-padded to ``max_blocks`` columns (entries past a
+    sequence's blocks are never read)."""
+    widened = {}
+    for name, step_metadata in metadata.items():
+        pad = max_blocks[name] - step_metadata.block_tables.shape[1]
+        widened[name] = step_metadata if pad <= 0 else dataclasses.replace(
+            step_metadata, block_tables=nn.functional.pad(step_metadata.block_tables, (0, pad)))
+    return widened
+
+
 class PagedLM(nn.Module, ABC):
     """Base of tpkit's models: ``generate`` over paged KV caches.
 
@@ -243,11 +256,15 @@ class PagedLM(nn.Module, ABC):
 
         caches = self._reserve_kv_caches(needs)
         batch = len(token_lists)
+        # Per cache, the widest block table a sequence of this generation needs.
+        max_blocks = {name: -(-max(tokens) // self.kv_block_size) for name, tokens in needs.items()}
         decode_step = self._compiled_step() if compile else self._decode_step
         if cuda_graph and max_new_tokens > 1:
-            step = self._graph_step(decode_step, caches, batch, needs, compile)
+            step = self._graph_step(decode_step, caches, batch, max_blocks, compile)
         else:
-            step = lambda ids, metadata, _: decode_step(ids, metadata, caches)
+            # Block tables as wide as a graph's: the CUDA attention kernel plans its split-K from their width,
+            # so eager and graph steps take the same plan and give the same tokens.
+            step = lambda ids, metadata, _: decode_step(ids, _widen(metadata, max_blocks), caches)
         seq_ids = list(range(batch))
         outputs: list[list[int]] = [[] for _ in range(batch)]
         unchecked: list[torch.Tensor] = []  # [batch] per step when no EOS can stop a sequence
@@ -318,8 +335,7 @@ class PagedLM(nn.Module, ABC):
         return self._compiled_decode_step
 
     def _graph_step(self, decode_step: Callable, caches: Mapping[str, PagedKVCache], batch: int,
-                    needs: Mapping[str, Sequence[int]], compiled: bool) -> StepFn:
-        max_blocks = {name: -(-max(tokens) // self.kv_block_size) for name, tokens in needs.items()}
+                    max_blocks: Mapping[str, int], compiled: bool) -> StepFn:
         key = (batch, tuple(sorted(max_blocks.items())), compiled)
         graph = self._graphs.get(key)
         if graph is None:

@@ -1,5 +1,5 @@
-// Element types of the paged-attention kernels: conversions to and from float32, and the flag that picks
-// the bf16 or fp16 form of the tensor-core instruction. Torch-free.
+// Element types of the paged-attention kernels: conversions to and from float32, the flag that picks the
+// bf16 or fp16 form of the tensor-core instruction, and four-element output stores. Torch-free.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -21,10 +21,6 @@ struct DTypeTraits<__half> {
     const __half2 h = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<const uint32_t*>(&h);
   }
-  // Four consecutive outputs in one 8-byte store; dst 8-byte aligned.
-  __device__ __forceinline__ static void store4(__half* dst, float4 v) {
-    *reinterpret_cast<uint2*>(dst) = make_uint2(pack2(v.x, v.y), pack2(v.z, v.w));
-  }
 };
 
 template <>
@@ -36,9 +32,6 @@ struct DTypeTraits<__nv_bfloat16> {
     const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<const uint32_t*>(&h);
   }
-  __device__ __forceinline__ static void store4(__nv_bfloat16* dst, float4 v) {
-    *reinterpret_cast<uint2*>(dst) = make_uint2(pack2(v.x, v.y), pack2(v.z, v.w));
-  }
 };
 
 template <>
@@ -46,7 +39,19 @@ struct DTypeTraits<float> {
   static constexpr bool kIsBF16 = false;
   __device__ __forceinline__ static float to_float(float x) { return x; }
   __device__ __forceinline__ static float from_float(float x) { return x; }
-  __device__ __forceinline__ static void store4(float* dst, float4 v) { *reinterpret_cast<float4*>(dst) = v; }
 };
+
+// Four consecutive outputs in one store: 8 bytes of two packed pairs for the 16-bit types (dst 8-byte
+// aligned), 16 bytes for float (dst 16-byte aligned).
+template <typename T>
+__device__ __forceinline__ void store4(T* dst, float4 v) {
+  using Traits = DTypeTraits<T>;
+  *reinterpret_cast<uint2*>(dst) = make_uint2(Traits::pack2(v.x, v.y), Traits::pack2(v.z, v.w));
+}
+
+template <>
+__device__ __forceinline__ void store4<float>(float* dst, float4 v) {
+  *reinterpret_cast<float4*>(dst) = v;
+}
 
 }  // namespace tpkit

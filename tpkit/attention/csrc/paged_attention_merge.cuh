@@ -27,7 +27,6 @@ __device__ __forceinline__ float warp_reduce(float v) {
 
 template <typename T>
 __global__ void __launch_bounds__(kMergeThreads) paged_attention_merge_kernel(const tpkit_paged_attention_args p) {
-  using Traits = DTypeTraits<T>;
   extern __shared__ float weights_s[];  // [kMergeRowsPerBlock][num_partitions]
   // Every block waits, even one with nothing to merge: the grid must not finish before the attention grid.
   grid_wait_primary();
@@ -43,7 +42,7 @@ __global__ void __launch_bounds__(kMergeThreads) paged_attention_merge_kernel(co
   // Partitions past the end were not written (their thread blocks exited at once).
   const int used = seq_len > 0 ? min(p.num_partitions, (seq_len + p.partition_size - 1) / p.partition_size) : 0;
   if (used == 0) {
-    for (int v = lane; v < vecs; v += 32) Traits::store4(out + 4 * v, make_float4(0.f, 0.f, 0.f, 0.f));
+    for (int v = lane; v < vecs; v += 32) store4(out + 4 * v, make_float4(0.f, 0.f, 0.f, 0.f));
     return;
   }
   const int64_t row_index = (static_cast<int64_t>(seq) * p.num_heads + head) * p.num_partitions;
@@ -73,7 +72,7 @@ __global__ void __launch_bounds__(kMergeThreads) paged_attention_merge_kernel(co
       acc.z = fmaf(w, x.z, acc.z);
       acc.w = fmaf(w, x.w, acc.w);
     }
-    Traits::store4(out + 4 * v, make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
+    store4(out + 4 * v, make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
   }
 }
 

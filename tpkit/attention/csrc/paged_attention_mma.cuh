@@ -352,6 +352,11 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
   constexpr int kVecs = HEAD / 4;
   // Row r's finished columns, in the first warp slice of its row tile's partial results.
   auto row_out = [&](int r) { return red_o + ((r >> 4) * p.warps_n * 16 + (r & 15)) * L::kOutStride; };
+  // Row r's output (query head head0 + r of this sequence).
+  auto out_row = [&](int r) {
+    return static_cast<T*>(p.out) + static_cast<int64_t>(seq) * p.o_stride_seq +
+           static_cast<int64_t>(head0 + r) * p.o_stride_head;
+  };
   for (int i = tid; i < rows_valid * kVecs; i += blockDim.x) {
     const int r = i / kVecs;
     const int d = (i - r * kVecs) * 4;
@@ -372,9 +377,7 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
     acc.w *= inv;
     const int head = head0 + r;
     if (!split) {
-      Traits::store4(static_cast<T*>(p.out) + static_cast<int64_t>(seq) * p.o_stride_seq +
-                         static_cast<int64_t>(head) * p.o_stride_head + d,
-                     acc);
+      store4(out_row(r) + d, acc);
     } else if (cluster) {
       // Kept for the cluster's merge: each (r, d) is this thread's alone, so it overwrites what it read.
       *reinterpret_cast<float4*>(src) = acc;
@@ -421,9 +424,7 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
       }
     }
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    Traits::store4(static_cast<T*>(p.out) + static_cast<int64_t>(seq) * p.o_stride_seq +
-                       static_cast<int64_t>(head0 + r) * p.o_stride_head + d,
-                   make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
+    store4(out_row(r) + d, make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
   }
   cluster_sync();  // no block exits while another still reads its shared memory
 #endif
