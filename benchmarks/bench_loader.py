@@ -32,8 +32,9 @@ apart); both ``from_pretrained`` build theirs inside the call.
 Page cache: warm by default (every checkpoint file is read just before each contender starts); ``--cold``
 syncs and drops the page cache before each contender instead (it needs write access to
 /proc/sys/vm/drop_caches). Every process computes with the same number of torch threads (one by default:
-on a machine whose cores are busy, a starved OpenMP thread stalls every tensor copy); transformers' own
-loading thread pool keeps its default. Progress bars are off for all.
+on a machine whose cores are busy, a starved OpenMP thread stalls every tensor copy); the loaders' own
+thread pools keep their defaults: transformers', and tpkit's (``load_weights`` copies on up to 4 threads,
+fewer where there are fewer CPUs; ``TPKIT_LOAD_THREADS`` sets it). Progress bars are off for all.
 
     python benchmarks/bench_loader.py              # ~2 GB, tp_size 1 and 2, warm page cache
     python benchmarks/bench_loader.py --cold       # the page cache dropped before each contender
@@ -367,8 +368,9 @@ def report(rows: list[dict[str, Any]], goal_rows: list[dict[str, Any]], info: di
              f"{m['safetensors']}, transformers {m['transformers']}",
              f"checkpoint: {info['checkpoint_bytes'] / GB:.2f} GB of bf16 tensors in {info['files']} files; "
              f"page cache {cache}",
-             f"{info['threads']} torch thread(s) in every process; best of {info['rounds']} rounds by "
-             "resident time, each a fresh process loading once;",
+             f"{info['threads']} torch thread(s) in every process (tpkit's loader: "
+             f"{os.environ.get('TPKIT_LOAD_THREADS') or 'its default of up to 4'} copy threads); best of "
+             f"{info['rounds']} rounds by resident time, each a fresh process loading once;",
              "resident = call + one pass reading every parameter byte (the goals use it)",
              "",
              "| contender | rank | call s | resident s | GB read | GB/s (resident) | in file maps GB | "

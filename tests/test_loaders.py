@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import re
 import shutil
 import struct
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +31,7 @@ from tpkit.loaders import (
     load_weights,
     reset_bytes_read,
 )
+from tpkit.models import LlamaForCausalLM as TpkitLlama
 from tpkit.parallel_layers import ColumnParallelLinear
 
 HF_CLASSES = {"llama": LlamaForCausalLM, "llama_sharded": LlamaForCausalLM, "llama_tied": LlamaForCausalLM,
@@ -463,6 +467,86 @@ def test_default_weight_loader(checkpoints):
         default_weight_loader(nn.Parameter(torch.zeros(65)), handle)
 
 
+# --- loading on several threads ---------------------------------------------------------------------------
+
+def test_threads_load_exactly_what_one_thread_loads(checkpoints, monkeypatch):
+    path, _ = checkpoints["llama_sharded"]  # 12 files; q/k/v and gate/up stacked into one parameter each
+    config = json.loads((path / "config.json").read_text())
+    states, reads = [], []
+    for num_threads in ("1", "4"):
+        monkeypatch.setenv("TPKIT_LOAD_THREADS", num_threads)
+        model = TpkitLlama(config)  # randomly initialised: a parameter left unloaded would differ
+        before = bytes_read()
+        model.load_weights(iter_weights(path))
+        reads.append(bytes_read() - before)
+        states.append(_snapshot(model))
+    assert reads[0] == reads[1] > 0
+    assert states[0].keys() == states[1].keys()
+    for name, tensor in states[0].items():
+        assert torch.equal(tensor, states[1][name]), name
+
+
+class _Recording(nn.Module):
+    """Parameters of three shards each, whose loader records how many calls run at once per parameter and
+    on which threads, and fails (on real data only) where told to."""
+
+    def __init__(self, fail_on: tuple[int, int] | None = None) -> None:
+        super().__init__()
+        self.fail_on = fail_on
+        self.lock = threading.Lock()
+        self.running: dict[int, int] = {}
+        self.most_at_once = 0
+        self.threads: set[int] = set()
+        for i in range(4):
+            layer = nn.Module()
+            layer.w = nn.Parameter(torch.zeros(6, 3))
+            layer.w.weight_loader = functools.partial(self.load, i)
+            self.add_module(f"l{i}", layer)
+
+    def load(self, layer: int, param: nn.Parameter, loaded_weight: torch.Tensor, shard: int) -> None:
+        if param.is_meta:  # the trial run before any write
+            param.narrow(0, 2 * shard, 2).copy_(loaded_weight[:])
+            return
+        with self.lock:
+            self.running[layer] = self.running.get(layer, 0) + 1
+            self.most_at_once = max(self.most_at_once, self.running[layer])
+            self.threads.add(threading.get_ident())
+        time.sleep(0.01)
+        if (layer, shard) == self.fail_on:
+            raise RuntimeError(f"cannot load l{layer} shard {shard}")
+        param.narrow(0, 2 * shard, 2).copy_(loaded_weight[:])
+        with self.lock:
+            self.running[layer] -= 1
+
+
+STACKED_MAPPING = (("w", "a", 0), ("w", "b", 1), ("w", "c", 2))
+
+
+def test_loads_into_one_parameter_run_in_order_on_one_thread():
+    g = torch.Generator().manual_seed(0)
+    tensors = [(f"l{i}.{part}", torch.randn(2, 3, generator=g)) for i in range(4) for part in "abc"]
+    model = _Recording()
+    load_weights(model, tensors, STACKED_MAPPING, num_threads=4, progress=False)
+    assert model.most_at_once == 1  # a parameter's shards never load at the same time
+    assert len(model.threads) > 1  # different parameters do
+    for i in range(4):
+        expected = torch.cat([t for name, t in tensors if name.startswith(f"l{i}.")])
+        assert torch.equal(model.get_parameter(f"l{i}.w"), expected)
+    with pytest.raises(RuntimeError, match=r"cannot load l2 shard 1"):
+        load_weights(_Recording(fail_on=(2, 1)), tensors, STACKED_MAPPING, num_threads=4, progress=False)
+
+
+def test_bad_thread_counts(monkeypatch):
+    model = _Recording()
+    for bad in (0, -2, 1.5, True, "2"):
+        with pytest.raises(ValueError, match=rf"load_weights: num_threads: expected a positive integer, got "
+                                             rf"{re.escape(repr(bad))}"):
+            load_weights(model, [], num_threads=bad)
+    monkeypatch.setenv("TPKIT_LOAD_THREADS", "many")
+    with pytest.raises(ValueError, match=r"TPKIT_LOAD_THREADS: expected a positive integer, got 'many'"):
+        load_weights(model, [])
+
+
 # --- progress bar and log line ------------------------------------------------------------------------------
 
 def test_progress_bar_and_log_line(checkpoints, caplog, capsys, monkeypatch):
@@ -470,8 +554,8 @@ def test_progress_bar_and_log_line(checkpoints, caplog, capsys, monkeypatch):
     model = LlamaForCausalLM(reference.config)
     with caplog.at_level(logging.INFO, logger="tpkit.loaders"):
         load_weights(model, iter_weights(path), progress=True)
-    assert re.search(r"rank 0: loaded \d+ tensors from \d+ files: [\d.]+ GB read in [\d.]+ s \([\d.]+ GB/s\)",
-                     caplog.text)
+    assert re.search(r"rank 0: loaded \d+ tensors from \d+ files \(\d+ thread\(s\)\): [\d.]+ GB read in "
+                     r"[\d.]+ s \([\d.]+ GB/s\)", caplog.text)
     assert "Loading checkpoint" in capsys.readouterr().err
     monkeypatch.setenv("TPKIT_DISABLE_PROGRESS", "1")
     load_weights(model, iter_weights(path))

@@ -4,7 +4,8 @@ A handle's ``narrow`` and ``[...]`` return real ``torch.Tensor``s. For a safeten
 private, copy-on-write memory map of that tensor's bytes (widened to 2 MiB file boundaries): only the pages
 of the requested part are read, when the caller copies the view into its parameter (for a contiguous part,
 the kernel is asked to start reading its bytes as soon as it is taken). The map goes away with the last
-view, so a loader's resident memory grows by one tensor at a time, not by the checkpoint.
+view, so a loader's resident memory grows by one tensor at a time per copying thread, not by the
+checkpoint.
 
 Every returned tensor's size is added to a per-process counter (:func:`bytes_read`), which the loading
 log line and the per-rank tests read.
