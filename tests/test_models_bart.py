@@ -11,6 +11,9 @@ import torch
 from checkpoints import make_bart_checkpoint
 from model_parity import hf_greedy, run_parity
 
+from tpkit.models import from_pretrained
+from tpkit.parallel_layers import TPGroup
+
 # Encoder inputs of different lengths, BOS ... EOS as a tokenizer writes them.
 PROMPTS = [[0, 5, 6, 7, 8, 2], [0, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 2], [0, 20, 2],
            [0, 30, 31, 32, 33, 34, 35, 36, 2]]
@@ -36,3 +39,17 @@ def test_bart(ranks, bart, tp_size):
     hf_model = bart[1]
     assert hf_model.final_logits_bias.abs().sum() > 0
     run_parity(ranks, bart, tp_size, total_num_kv_heads=hf_model.config.decoder_attention_heads)
+
+
+def test_forced_bos_and_eos_tokens_as_transformers(tmp_path):
+    """BART configs force the first new token to BOS and the last to EOS (bart-large-cnn's does both);
+    generate does as transformers does, also when both fall on one step (max_new_tokens 1)."""
+    hf_model = make_bart_checkpoint(tmp_path, forced_eos_token_id=2, seed=3)
+    # Where bart-large-cnn keeps it (transformers 5 drops forced_bos_token_id from config.json).
+    hf_model.generation_config.forced_bos_token_id = 0
+    hf_model.generation_config.save_pretrained(tmp_path)
+    model = from_pretrained(tmp_path, tp_group=TPGroup(None, 0, 1), device="cpu")
+    for max_new_tokens in (12, 1):
+        expected = hf_greedy(hf_model, PROMPTS, max_new_tokens)
+        assert model.generate(PROMPTS, max_new_tokens, ignore_eos=True) == expected
+    assert all(tokens[0] == 0 and tokens[-1] == 2 for tokens in hf_greedy(hf_model, PROMPTS, 12))

@@ -49,7 +49,8 @@ def from_pretrained(name_or_path: str | os.PathLike, *, dtype: torch.dtype | str
     device: default the current CUDA device when the tensor-parallel group runs on NCCL or there is a GPU
     and no group over gloo, else the CPU. tp_group: a TPGroup or ProcessGroup; default the group of
     ``init_tensor_parallel`` (tp_size 1 when nothing is initialised). Every rank must call it.
-    EOS ids (and BART's decoder start) come from generation_config.json, else config.json.
+    EOS ids (and BART's decoder start and forced BOS/EOS tokens) come from generation_config.json, else
+    config.json.
     """
     if dtype is not None and not isinstance(dtype, (torch.dtype, str)):
         raise TypeError(f"dtype must be a torch.dtype, a dtype name or None, got {type(dtype).__name__}")
@@ -66,9 +67,12 @@ def from_pretrained(name_or_path: str | os.PathLike, *, dtype: torch.dtype | str
     generation_config = _read_json(path / "generation_config.json") or {}
     if generation_config.get("eos_token_id") is not None:
         model.eos_token_ids = parse_eos_token_ids(generation_config["eos_token_id"])
-    if isinstance(model, BartForConditionalGeneration) and \
-            generation_config.get("decoder_start_token_id") is not None:
-        model.decoder_start_token_id = generation_config["decoder_start_token_id"]
+    if isinstance(model, BartForConditionalGeneration):
+        if generation_config.get("decoder_start_token_id") is not None:
+            model.decoder_start_token_id = generation_config["decoder_start_token_id"]
+        for key in ("forced_bos_token_id", "forced_eos_token_id"):
+            if key in generation_config:  # null there turns config.json's off, as in transformers
+                setattr(model, key, generation_config[key])
     model.load_weights(iter_weights(path))
     return model.eval()
 

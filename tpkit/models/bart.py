@@ -172,6 +172,8 @@ class BartForConditionalGeneration(PagedLM):
         self.max_positions = config["max_position_embeddings"]
         self.eos_token_ids = parse_eos_token_ids(config.get("eos_token_id"))
         self.decoder_start_token_id = config["decoder_start_token_id"]
+        self.forced_bos_token_id = config.get("forced_bos_token_id")
+        self.forced_eos_token_id = config.get("forced_eos_token_id")
         self.embed_scale = math.sqrt(d_model) if config.get("scale_embedding", False) else 1.0
         self.shared = VocabParallelEmbedding(vocab_size, d_model, **factory)
         self.encoder = BartStack(config, BartEncoderLayer, config["encoder_layers"], factory)

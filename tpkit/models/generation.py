@@ -175,6 +175,10 @@ class PagedLM(nn.Module, ABC):
     max_positions: int
     eos_token_ids: tuple[int, ...]
     tp_group: Any
+    # As transformers' generation config: the first new token of an encoder-decoder model, and the token
+    # at max_new_tokens - 1 of any model, forced (the EOS one wins where both fall on one step).
+    forced_bos_token_id: int | None = None
+    forced_eos_token_id: int | None = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -238,6 +242,8 @@ class PagedLM(nn.Module, ABC):
         prompts: token-id lists of any lengths, or a 2-D tensor. temperature 0 is greedy; otherwise
         temperature, top_k and top_p filter as in transformers and ``seed`` makes the draw reproducible.
         A sequence stops after one of ``eos_token_ids`` (kept in its output) unless ``ignore_eos``.
+        ``forced_bos_token_id`` / ``forced_eos_token_id``, where the model has them (BART, from its config),
+        replace the first / last of the ``max_new_tokens`` tokens, as transformers does.
         ``cuda_graph`` replays the decode step from a CUDA graph captured for this batch shape (the first
         call for a shape captures it). ``compile`` runs the decode step through ``torch.compile``, which
         fuses its small element-wise kernels (compiled on first use, again for each new batch shape).
@@ -273,11 +279,11 @@ class PagedLM(nn.Module, ABC):
         try:
             logits = self._prefill(token_lists, caches)
             prefilled = True
-            tokens = sample(logits)  # [len(seq_ids)]
+            tokens = self._next_tokens(sample, logits, 0, max_new_tokens)  # [len(seq_ids)]
             for i in range(max_new_tokens):
                 if i > 0:
                     logits = step(tokens[:, None], self._decode_metadata(caches, seq_ids), seq_ids)
-                    tokens = sample(logits)
+                    tokens = self._next_tokens(sample, logits, i, max_new_tokens)
                 if not eos:
                     # Nothing to decide on the host: the loop never waits for the device.
                     unchecked.append(tokens)
@@ -306,6 +312,18 @@ class PagedLM(nn.Module, ABC):
         if unchecked:
             outputs = torch.stack(unchecked, dim=1).tolist()
         return outputs
+
+    def _next_tokens(self, sample: Sampler, logits: torch.Tensor, step: int,
+                     max_new_tokens: int) -> torch.Tensor:
+        """logits ``[batch, vocab]`` -> ``[batch]`` token ids: sampled, or the token forced at this step (see
+        ``forced_bos_token_id``), which is the same on every rank, so nothing is broadcast for it."""
+        if step == max_new_tokens - 1 and self.forced_eos_token_id is not None:
+            forced = self.forced_eos_token_id
+        else:
+            forced = self.forced_bos_token_id if step == 0 else None
+        if forced is None:
+            return sample(logits)
+        return torch.full((logits.shape[0],), forced, dtype=torch.int64, device=logits.device)
 
     @staticmethod
     def _free(caches: Mapping[str, PagedKVCache], seq_id: int) -> None:
