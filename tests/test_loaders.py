@@ -536,6 +536,16 @@ def test_loads_into_one_parameter_run_in_order_on_one_thread():
         load_weights(_Recording(fail_on=(2, 1)), tensors, STACKED_MAPPING, num_threads=4, progress=False)
 
 
+def test_threads_load_parameters_made_in_inference_mode():
+    """Inference mode is thread-local, and a parameter made in it can only be written in it."""
+    g = torch.Generator().manual_seed(0)
+    tensors = {"weight": torch.randn(8, 3, generator=g), "bias": torch.randn(8, generator=g)}
+    with torch.inference_mode():
+        layer = ColumnParallelLinear(3, 8)
+        load_weights(layer, list(tensors.items()), num_threads=2, progress=False)
+    assert torch.equal(layer.weight, tensors["weight"]) and torch.equal(layer.bias, tensors["bias"])
+
+
 def test_bad_thread_counts(monkeypatch):
     model = _Recording()
     for bad in (0, -2, 1.5, True, "2"):

@@ -259,6 +259,7 @@ def _call_loader(loader: Callable, param: torch.Tensor, weight: Weight, shard: S
 
 def _execute(loads: list[_Load], show_progress: bool, num_threads: int) -> None:
     files = list(dict.fromkeys(load.file for load in loads if load.file is not None))
+    caller = _CallerState.capture(loads)
     start, read_before = time.perf_counter(), bytes_read()
     with (tqdm(total=len(files), unit="file", desc="Loading checkpoint", disable=not show_progress) as bar,
           ThreadPoolExecutor(num_threads) as pool):
@@ -268,9 +269,10 @@ def _execute(loads: list[_Load], show_progress: bool, num_threads: int) -> None:
                 by_target.setdefault(id(load.target), []).append(load)
             if num_threads == 1:
                 for target_loads in by_target.values():
-                    _run_loads(target_loads)
+                    _run_loads(target_loads, caller)
             else:
-                futures = [pool.submit(_run_loads, target_loads) for target_loads in by_target.values()]
+                futures = [pool.submit(_run_loads, target_loads, caller)
+                           for target_loads in by_target.values()]
                 wait(futures)  # every task of the file ends before the first failure is raised
                 for future in futures:
                     future.result()
@@ -283,11 +285,32 @@ def _execute(loads: list[_Load], show_progress: bool, num_threads: int) -> None:
                 nbytes / 1e9 / max(seconds, 1e-9))
 
 
-def _run_loads(loads: list[_Load]) -> None:
-    """One parameter's loads, in order. On a worker thread, the parameter's GPU is made the current one
-    (a thread starts on GPU 0), for loaders that allocate on the current device."""
+@dataclass(frozen=True)
+class _CallerState:
+    """The calling thread's state that its loads must run under on a worker thread (where it is
+    thread-local): inference mode (parameters made in it can only be written in it), and per GPU the
+    current stream (so the copies are ordered before what the caller queues next)."""
+
+    inference_mode: bool
+    streams: dict[torch.device, torch.cuda.Stream]
+
+    @staticmethod
+    def capture(loads: list[_Load]) -> _CallerState:
+        devices = {load.target.tensor.device for load in loads if load.target.tensor.device.type == "cuda"}
+        return _CallerState(torch.is_inference_mode_enabled(),
+                            {device: torch.cuda.current_stream(device) for device in devices})
+
+
+def _run_loads(loads: list[_Load], caller: _CallerState) -> None:
+    """One parameter's loads, in order, under the caller's state."""
     device = loads[0].target.tensor.device
-    with torch.no_grad(), torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.inference_mode(caller.inference_mode))
+        stack.enter_context(torch.no_grad())
+        if device.type == "cuda":
+            # A thread starts on GPU 0: loaders that allocate on the current device find the parameter's.
+            stack.enter_context(torch.cuda.device(device))
+            stack.enter_context(torch.cuda.stream(caller.streams[device]))
         for load in loads:
             loader = getattr(load.target.tensor, "weight_loader", None) or default_weight_loader
             _call_loader(loader, load.target.tensor, load.weight, load.shard)
