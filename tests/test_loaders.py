@@ -32,7 +32,10 @@ from tpkit.loaders import (
     reset_bytes_read,
 )
 from tpkit.models import LlamaForCausalLM as TpkitLlama
-from tpkit.parallel_layers import ColumnParallelLinear
+from tpkit.parallel_layers import ColumnParallelLinear, TPGroup
+
+# tp_size 1 without init_tensor_parallel, also under torchrun (where torch.distributed is initialised).
+SINGLE = TPGroup(None, 0, 1)
 
 HF_CLASSES = {"llama": LlamaForCausalLM, "llama_sharded": LlamaForCausalLM, "llama_tied": LlamaForCausalLM,
               "gpt_bigcode": GPTBigCodeForCausalLM, "bart": BartForConditionalGeneration}
@@ -356,7 +359,7 @@ def test_shape_mismatch_is_found_before_any_write():
 def test_tp_layer_shape_error_is_found_before_any_write():
     model = nn.Module()
     model.first = nn.Linear(4, 4)
-    model.proj = ColumnParallelLinear(4, 6)
+    model.proj = ColumnParallelLinear(4, 6, tp_group=SINGLE)
     before = _snapshot(model)
     tensors = [("first.weight", torch.randn(4, 4)), ("first.bias", torch.randn(4)),
                ("proj.weight", torch.randn(6, 5)), ("proj.bias", torch.randn(6))]
@@ -475,7 +478,7 @@ def test_threads_load_exactly_what_one_thread_loads(checkpoints, monkeypatch):
     states, reads = [], []
     for num_threads in ("1", "4"):
         monkeypatch.setenv("TPKIT_LOAD_THREADS", num_threads)
-        model = TpkitLlama(config)  # randomly initialised: a parameter left unloaded would differ
+        model = TpkitLlama(config, tp_group=SINGLE)  # random: an unloaded parameter would differ
         before = bytes_read()
         model.load_weights(iter_weights(path))
         reads.append(bytes_read() - before)
@@ -541,7 +544,7 @@ def test_threads_load_parameters_made_in_inference_mode():
     g = torch.Generator().manual_seed(0)
     tensors = {"weight": torch.randn(8, 3, generator=g), "bias": torch.randn(8, generator=g)}
     with torch.inference_mode():
-        layer = ColumnParallelLinear(3, 8)
+        layer = ColumnParallelLinear(3, 8, tp_group=SINGLE)
         load_weights(layer, list(tensors.items()), num_threads=2, progress=False)
     assert torch.equal(layer.weight, tensors["weight"]) and torch.equal(layer.bias, tensors["bias"])
 
