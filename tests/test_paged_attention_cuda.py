@@ -114,6 +114,23 @@ def test_paged_attention_many_sequences_no_split(dtype: torch.dtype) -> None:
     _check_attention(dtype, 64, 16, 32, 8, seq_lens, alibi=False, seed=11)
 
 
+@pytest.mark.parametrize(("head_size", "group_size", "slices"),
+                         [(64, 48, 1), (80, 48, 2), (120, 40, 2), (128, 16, 1), (128, 48, 2), (128, 128, 2),
+                          (256, 64, 2)])
+def test_paged_attention_two_slice_steps(head_size: int, group_size: int, slices: int) -> None:
+    """Large groups (more than 32 query heads a KV head) take two 16-token slices per warp step, where the
+    query stays in shared memory (head > 64); against the CPU op, with lengths that end mid-slice."""
+    dev = torch.device("cuda")
+    seq_lens = [1, 15, 16, 17, 33, 47, 300, 1000]
+    num_seqs = len(seq_lens)
+    plan = _cuda.launch_plan(torch.empty(num_seqs, group_size, head_size, dtype=torch.bfloat16, device=dev),
+                             torch.empty(4, 16, 1, head_size, dtype=torch.bfloat16, device=dev),
+                             torch.zeros(num_seqs, 1000 // 16 + 2, dtype=torch.int32, device=dev))
+    assert plan["slices"] == slices, plan
+    _check_attention(torch.bfloat16, head_size, 16, group_size, 1, seq_lens, alibi=group_size == 48,
+                     seed=head_size + group_size)
+
+
 def test_paged_attention_long_context() -> None:
     """One 128k-token sequence (split across many partitions) beside a short one."""
     _check_attention(torch.bfloat16, 128, 32, 8, 1, [131072 + 37, 3], alibi=True, seed=5)

@@ -49,6 +49,7 @@ typedef struct {
   int m_groups;        // thread blocks per KV head along the query-head axis (1 unless the group is huge)
   int rows_per_cta;    // query rows (heads) one thread block serves
   int warps_m, warps_n;
+  int slices;          // 16-token slices a warp takes per step of the mma kernel (1 or 2)
   int num_stages;      // cp.async pipeline depth
   int threads;
   int smem_bytes;

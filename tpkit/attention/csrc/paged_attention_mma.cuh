@@ -46,10 +46,14 @@ struct MmaLayout {
 // (v10): <= 80 registers for head 32, <= 128 (16 warps per SM) for 64-96, <= 168 (12 warps) for 112-128.
 constexpr int max_registers(int head) { return head <= 32 ? 80 : head <= 96 ? 128 : head <= 128 ? 168 : 255; }
 
-template <typename T, int HEAD>
+// SLICES: 16-token slices a warp takes at a time (1 or 2; the plan's `slices`). Two give twice the independent
+// mma chains in flight and one softmax update per 32 tokens, for the large groups that are bound by issue
+// latency; a kernel of its own, so the one-slice kernel keeps its registers and code.
+template <typename T, int HEAD, int SLICES>
 __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
     paged_attention_mma_kernel(const tpkit_paged_attention_args p) {
   using L = MmaLayout<HEAD>;
+  static_assert(SLICES == 1 || (SLICES == 2 && !L::kQueryInRegisters), "two slices only with Q in shared memory");
   using Traits = DTypeTraits<T>;
   constexpr int C = L::kChunks;
   constexpr int RS = L::kRowStride;
@@ -212,30 +216,37 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
     const uint32_t k_stage = smem_addr(k_s + stage * kTileTokens * RS);
     const uint32_t v_stage = smem_addr(v_s + stage * kTileTokens * RS);
     if (warp_active) {
-      for (int tok0 = warp_n * tokens_per_warp; tok0 < (warp_n + 1) * tokens_per_warp; tok0 += 16) {
+      for (int tok0 = warp_n * tokens_per_warp; tok0 < (warp_n + 1) * tokens_per_warp; tok0 += 16 * SLICES) {
         if (tile_start + tok0 >= end) break;  // the rest of this warp's slice is past the end
 
-        float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        constexpr int NJ = 2 * SLICES;  // 8-token column tiles of S
+        float s[NJ][4];
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
         const uint32_t k_addr = k_stage + (tok0 * RS + k_lane_off) * 16;
 #pragma unroll
         for (int ks = 0; ks < L::kKSteps; ++ks) {
-          uint32_t b[4];
-          ldmatrix_x4(b, k_addr + ks * 2 * 16);
+          uint32_t a[4];
           if constexpr (L::kQueryInRegisters) {
-            mma_m16n8k16<Traits::kIsBF16>(s[0], q_frag[ks], b[0], b[1]);
-            mma_m16n8k16<Traits::kIsBF16>(s[1], q_frag[ks], b[2], b[3]);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) a[i] = q_frag[ks][i];
           } else {
-            uint32_t a[4];
             ldmatrix_x4(a, q_addr + ks * 2 * 16);
-            mma_m16n8k16<Traits::kIsBF16>(s[0], a, b[0], b[1]);
-            mma_m16n8k16<Traits::kIsBF16>(s[1], a, b[2], b[3]);
+          }
+#pragma unroll
+          for (int sl = 0; sl < SLICES; ++sl) {
+            uint32_t b[4];
+            ldmatrix_x4(b, k_addr + (sl * 16 * RS + ks * 2) * 16);
+            mma_m16n8k16<Traits::kIsBF16>(s[2 * sl], a, b[0], b[1]);
+            mma_m16n8k16<Traits::kIsBF16>(s[2 * sl + 1], a, b[2], b[3]);
           }
         }
 
         // Scores in the log2 domain, ALiBi, mask past the partition's end.
         const int pos_base = tile_start + tok0 + ((lane & 3) << 1);
+        float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
+        for (int j = 0; j < NJ; ++j) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int pos = pos_base + j * 8 + (e & 1);
@@ -243,9 +254,9 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
             const float v = fmaf(s[j][e], p.scale_log2, slope * (static_cast<float>(pos) - last_pos));
             s[j][e] = pos < end ? v : -INFINITY;
           }
+          mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
+          mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
         }
-        float mx0 = fmaxf(fmaxf(s[0][0], s[0][1]), fmaxf(s[1][0], s[1][1]));
-        float mx1 = fmaxf(fmaxf(s[0][2], s[0][3]), fmaxf(s[1][2], s[1][3]));
         mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
         mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
         mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
@@ -259,15 +270,18 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
         const float corr1 = fast_exp2(m1 - use_m1);
         m0 = new_m0;
         m1 = new_m1;
+        float sum0 = 0.f, sum1 = 0.f;
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
+        for (int j = 0; j < NJ; ++j) {
           s[j][0] = fast_exp2(s[j][0] - use_m0);
           s[j][1] = fast_exp2(s[j][1] - use_m0);
           s[j][2] = fast_exp2(s[j][2] - use_m1);
           s[j][3] = fast_exp2(s[j][3] - use_m1);
+          sum0 += s[j][0] + s[j][1];
+          sum1 += s[j][2] + s[j][3];
         }
-        l0 = fmaf(l0, corr0, (s[0][0] + s[0][1]) + (s[1][0] + s[1][1]));
-        l1 = fmaf(l1, corr1, (s[0][2] + s[0][3]) + (s[1][2] + s[1][3]));
+        l0 = fmaf(l0, corr0, sum0);
+        l1 = fmaf(l1, corr1, sum1);
         // Once the running max settles, corrections are exactly 1: skip the rescale for the whole warp.
         if (__any_sync(0xffffffffu, corr0 != 1.f || corr1 != 1.f)) {
 #pragma unroll
@@ -279,19 +293,25 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
           }
         }
 
-        // P (the accumulator layout of S) is already the A-operand layout of P V.
-        uint32_t a[4];
-        a[0] = Traits::pack2(s[0][0], s[0][1]);
-        a[1] = Traits::pack2(s[0][2], s[0][3]);
-        a[2] = Traits::pack2(s[1][0], s[1][1]);
-        a[3] = Traits::pack2(s[1][2], s[1][3]);
+        // P (the accumulator layout of S) is already the A-operand layout of P V, a k-step per slice.
+        uint32_t pa[SLICES][4];
+#pragma unroll
+        for (int sl = 0; sl < SLICES; ++sl) {
+          pa[sl][0] = Traits::pack2(s[2 * sl][0], s[2 * sl][1]);
+          pa[sl][1] = Traits::pack2(s[2 * sl][2], s[2 * sl][3]);
+          pa[sl][2] = Traits::pack2(s[2 * sl + 1][0], s[2 * sl + 1][1]);
+          pa[sl][3] = Traits::pack2(s[2 * sl + 1][2], s[2 * sl + 1][3]);
+        }
         const uint32_t v_addr = v_stage + (tok0 * RS + v_lane_off) * 16;
 #pragma unroll
         for (int np = 0; np < L::kNTiles / 2; ++np) {
-          uint32_t b[4];
-          ldmatrix_x4_trans(b, v_addr + np * 2 * 16);
-          mma_m16n8k16<Traits::kIsBF16>(o[2 * np], a, b[0], b[1]);
-          mma_m16n8k16<Traits::kIsBF16>(o[2 * np + 1], a, b[2], b[3]);
+#pragma unroll
+          for (int sl = 0; sl < SLICES; ++sl) {
+            uint32_t b[4];
+            ldmatrix_x4_trans(b, v_addr + (sl * 16 * RS + np * 2) * 16);
+            mma_m16n8k16<Traits::kIsBF16>(o[2 * np], pa[sl], b[0], b[1]);
+            mma_m16n8k16<Traits::kIsBF16>(o[2 * np + 1], pa[sl], b[2], b[3]);
+          }
         }
       }
     }
