@@ -10,6 +10,16 @@
 
 namespace tpkit {
 
+// The launch attribute of thread-block clusters of `cluster_size` blocks along y.
+inline cudaLaunchAttribute cluster_dimension(int cluster_size) {
+  cudaLaunchAttribute attr = {};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = 1;
+  attr.val.clusterDim.y = cluster_size;
+  attr.val.clusterDim.z = 1;
+  return attr;
+}
+
 // An attribute of the current device (multiprocessor count, compute capability), queried once per device.
 cudaError_t current_device_attribute(cudaDeviceAttr attr, int* value);
 

@@ -27,112 +27,87 @@ std::mutex& cache_mutex() {
   return m;
 }
 
-}  // namespace
-
-cudaError_t current_device_attribute(cudaDeviceAttr attr, int* value) {
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  static std::map<std::pair<int, int>, int> cache;
-  std::lock_guard<std::mutex> lock(cache_mutex());
-  const std::pair<int, int> key{device, static_cast<int>(attr)};
-  const auto it = cache.find(key);
-  if (it != cache.end()) {
-    *value = it->second;
-    return cudaSuccess;
-  }
-  if ((err = cudaDeviceGetAttribute(value, attr, device)) != cudaSuccess) return err;
-  cache[key] = *value;
-  return cudaSuccess;
-}
-
-cudaError_t kernel_dynamic_smem_limit(const void* kernel, int* limit) {
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  static std::map<std::pair<int, const void*>, int> cache;
-  std::lock_guard<std::mutex> lock(cache_mutex());
-  const auto it = cache.find({device, kernel});
-  if (it != cache.end()) {
-    *limit = it->second;
-    return cudaSuccess;
-  }
-  int optin = 0;
-  cudaFuncAttributes attrs{};
-  if ((err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device)) != cudaSuccess ||
-      (err = cudaFuncGetAttributes(&attrs, kernel)) != cudaSuccess) {
-    return err;
-  }
-  // Static shared memory counts against the opt-in maximum too.
-  const int dynamic_limit = optin - static_cast<int>(attrs.sharedSizeBytes);
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic_limit);
-  if (err != cudaSuccess) return err;
-  cache[{device, kernel}] = dynamic_limit;
-  *limit = dynamic_limit;
-  return cudaSuccess;
-}
-
-cudaError_t kernel_occupancy(const void* kernel, int threads, int smem_bytes, int* blocks_per_sm) {
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  using Key = std::tuple<int, const void*, int, int>;
-  static std::map<Key, int> cache;
-  const Key key{device, kernel, threads, smem_bytes};
+// `key`'s value from `cache`; on a miss from query(&value), kept when the query succeeds. The query runs
+// without the lock: it may itself call the other cached queries.
+template <typename Key, typename Query>
+cudaError_t cached(std::map<Key, int>& cache, const Key& key, int* value, Query&& query) {
   {
     std::lock_guard<std::mutex> lock(cache_mutex());
     const auto it = cache.find(key);
     if (it != cache.end()) {
-      *blocks_per_sm = it->second;
+      *value = it->second;
       return cudaSuccess;
     }
   }
-  int limit = 0;
-  if ((err = kernel_dynamic_smem_limit(kernel, &limit)) != cudaSuccess) return err;
-  int n = 0;
-  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem_bytes);
+  const cudaError_t err = query(value);
   if (err != cudaSuccess) return err;
   std::lock_guard<std::mutex> lock(cache_mutex());
-  cache[key] = n;
-  *blocks_per_sm = n;
+  cache[key] = *value;
   return cudaSuccess;
+}
+
+}  // namespace
+
+cudaError_t current_device_attribute(cudaDeviceAttr attr, int* value) {
+  int device = 0;
+  const cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  static std::map<std::pair<int, int>, int> cache;
+  return cached(cache, std::make_pair(device, static_cast<int>(attr)), value,
+                [&](int* v) { return cudaDeviceGetAttribute(v, attr, device); });
+}
+
+cudaError_t kernel_dynamic_smem_limit(const void* kernel, int* limit) {
+  int device = 0;
+  const cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  static std::map<std::pair<int, const void*>, int> cache;
+  return cached(cache, std::make_pair(device, kernel), limit, [&](int* v) {
+    int optin = 0;
+    cudaFuncAttributes attrs{};
+    cudaError_t e;
+    if ((e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device)) != cudaSuccess ||
+        (e = cudaFuncGetAttributes(&attrs, kernel)) != cudaSuccess) {
+      return e;
+    }
+    // Static shared memory counts against the opt-in maximum too.
+    *v = optin - static_cast<int>(attrs.sharedSizeBytes);
+    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, *v);
+  });
+}
+
+cudaError_t kernel_occupancy(const void* kernel, int threads, int smem_bytes, int* blocks_per_sm) {
+  int device = 0;
+  const cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  static std::map<std::tuple<int, const void*, int, int>, int> cache;
+  return cached(cache, std::make_tuple(device, kernel, threads, smem_bytes), blocks_per_sm, [&](int* v) {
+    int limit = 0;
+    const cudaError_t e = kernel_dynamic_smem_limit(kernel, &limit);
+    if (e != cudaSuccess) return e;
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(v, kernel, threads, smem_bytes);
+  });
 }
 
 cudaError_t kernel_max_active_clusters(const void* kernel, int threads, int smem_bytes, int cluster_size,
                                        int* clusters) {
   int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
+  const cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
-  using Key = std::tuple<int, const void*, int, int, int>;
-  static std::map<Key, int> cache;
-  const Key key{device, kernel, threads, smem_bytes, cluster_size};
-  {
-    std::lock_guard<std::mutex> lock(cache_mutex());
-    const auto it = cache.find(key);
-    if (it != cache.end()) {
-      *clusters = it->second;
-      return cudaSuccess;
-    }
-  }
-  int limit = 0;
-  if ((err = kernel_dynamic_smem_limit(kernel, &limit)) != cudaSuccess) return err;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(1, cluster_size, 1);
-  config.blockDim = dim3(threads);
-  config.dynamicSmemBytes = smem_bytes;
-  cudaLaunchAttribute attr = {};
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = 1;
-  attr.val.clusterDim.y = cluster_size;
-  attr.val.clusterDim.z = 1;
-  config.attrs = &attr;
-  config.numAttrs = 1;
-  int n = 0;
-  if ((err = cudaOccupancyMaxActiveClusters(&n, kernel, &config)) != cudaSuccess) return err;
-  std::lock_guard<std::mutex> lock(cache_mutex());
-  cache[key] = n;
-  *clusters = n;
-  return cudaSuccess;
+  static std::map<std::tuple<int, const void*, int, int, int>, int> cache;
+  return cached(cache, std::make_tuple(device, kernel, threads, smem_bytes, cluster_size), clusters, [&](int* v) {
+    int limit = 0;
+    const cudaError_t e = kernel_dynamic_smem_limit(kernel, &limit);
+    if (e != cudaSuccess) return e;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(1, cluster_size, 1);
+    config.blockDim = dim3(threads);
+    config.dynamicSmemBytes = smem_bytes;
+    cudaLaunchAttribute attr = cluster_dimension(cluster_size);
+    config.attrs = &attr;
+    config.numAttrs = 1;
+    return cudaOccupancyMaxActiveClusters(v, kernel, &config);
+  });
 }
 
 void plan_partitions(tpkit_paged_attention_args* a, int concurrent_blocks, double write_cost) {

@@ -48,10 +48,7 @@ cudaError_t launch_dependent(Kernel kernel, dim3 grid, int threads, int smem_byt
   cudaLaunchAttribute attrs[2] = {};
   attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attrs[0].val.programmaticStreamSerializationAllowed = 1;
-  attrs[1].id = cudaLaunchAttributeClusterDimension;
-  attrs[1].val.clusterDim.x = 1;
-  attrs[1].val.clusterDim.y = cluster_size;
-  attrs[1].val.clusterDim.z = 1;
+  attrs[1] = cluster_dimension(cluster_size);
   config.attrs = attrs;
   config.numAttrs = major < 9 ? 0 : (cluster_size > 1 ? 2 : 1);
   return cudaLaunchKernelEx(&config, kernel, *a);
