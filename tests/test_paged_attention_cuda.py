@@ -131,6 +131,22 @@ def test_paged_attention_two_slice_steps(head_size: int, group_size: int, slices
                      seed=head_size + group_size)
 
 
+@pytest.mark.parametrize("head_size", [120, 128])
+@pytest.mark.parametrize(("num_seqs", "swizzled"), [(6, 1), (160, 0)])
+def test_paged_attention_layouts(head_size: int, num_seqs: int, swizzled: int) -> None:
+    """Grids of one wave of resident blocks (one slice a warp step) keep K/V rows swizzled in shared memory,
+    larger grids padded (head 120: a zero chunk either way); both against the CPU op."""
+    generator = torch.Generator().manual_seed(head_size + num_seqs)
+    seq_lens = torch.randint(0, 300, (num_seqs,), generator=generator).tolist()
+    seq_lens[:3] = [1, 64, 299]
+    dev = torch.device("cuda")
+    plan = _cuda.launch_plan(torch.empty(num_seqs, 32, head_size, dtype=torch.bfloat16, device=dev),
+                             torch.empty(4, 16, 8, head_size, dtype=torch.bfloat16, device=dev),
+                             torch.zeros(num_seqs, 299 // 16 + 2, dtype=torch.int32, device=dev))
+    assert (plan["slices"], plan["swizzled"]) == (1, swizzled), plan
+    _check_attention(torch.bfloat16, head_size, 16, 32, 8, seq_lens, alibi=False, seed=head_size + num_seqs)
+
+
 def test_paged_attention_long_context() -> None:
     """One 128k-token sequence (split across many partitions) beside a short one."""
     _check_attention(torch.bfloat16, 128, 32, 8, 1, [131072 + 37, 3], alibi=True, seed=5)
@@ -168,6 +184,22 @@ def test_paged_attention_strided_query() -> None:
     assert _cuda.paged_attention(out, qkv.to(dev)[:, :8], key_cache.to(dev), value_cache.to(dev),
                                  block_tables.to(dev), lens.to(dev), 64 ** -0.5, None)
     torch.testing.assert_close(out.cpu(), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_paged_attention_rejects_wide_strides() -> None:
+    """Caches whose block stride is 2^31 bytes or more (the kernels' 32-bit addressing) are refused, with the
+    strides in the message; the output is left as it was."""
+    dev = torch.device("cuda")
+    block_stride = 2 ** 30  # bf16 elements: 2 GiB
+    storage = torch.zeros(block_stride + 16 * 64, dtype=torch.bfloat16, device=dev)
+    cache = storage.as_strided((2, 16, 1, 64), (block_stride, 64, 64, 1))
+    query = torch.randn(2, 4, 64, device=dev, dtype=torch.bfloat16)
+    out = torch.full_like(query, 7.0)
+    block_tables = torch.tensor([[0], [1]], dtype=torch.int32, device=dev)
+    lens = torch.ones(2, dtype=torch.int32, device=dev)
+    with pytest.raises(ValueError, match=r"strides under 2\^31 bytes, got strides \[1073741824, 64, 64, 1\]"):
+        _cuda.paged_attention(out, query, cache, cache, block_tables, lens, 1.0, None)
+    assert bool((out == 7.0).all())
 
 
 @pytest.mark.parametrize(("head_size", "block_size", "dtype"),

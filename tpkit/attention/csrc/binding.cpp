@@ -86,7 +86,8 @@ std::map<std::string, int64_t> plan(const at::Tensor& query, const at::Tensor& k
   fill_shapes(&a, query, key_cache, block_tables);
   check_launch(tpkit_paged_attention_plan(&a), "paged_attention planning");
   return {{"num_partitions", a.num_partitions}, {"partition_size", a.partition_size}, {"m_groups", a.m_groups},
-          {"warps_m", a.warps_m}, {"warps_n", a.warps_n}, {"slices", a.slices}, {"num_stages", a.num_stages},
+          {"warps_m", a.warps_m}, {"warps_n", a.warps_n}, {"slices", a.slices}, {"swizzled", a.swizzled},
+          {"num_stages", a.num_stages},
           {"threads", a.threads}, {"smem_bytes", a.smem_bytes}, {"cluster_merge", a.cluster_merge}};
 }
 
@@ -133,6 +134,13 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   TPKIT_CHECK_VALUE(rows_16b_aligned(key_cache) && rows_16b_aligned(value_cache),
                     "paged_attention (CUDA): key_cache/value_cache: expected a contiguous last dimension and "
                     "16-byte aligned rows, got strides ", key_cache.strides(), " and ", value_cache.strides());
+  // The kernels address pages and tokens with 32-bit byte strides.
+  const int64_t max_stride = std::max({key_cache.stride(0), key_cache.stride(1), value_cache.stride(0),
+                                       value_cache.stride(1)});
+  TPKIT_CHECK_VALUE(max_stride * key_cache.element_size() < (int64_t{1} << 31),
+                    "paged_attention (CUDA): key_cache/value_cache: expected block and token strides under 2^31 "
+                    "bytes, got strides ", key_cache.strides(), " and ", value_cache.strides(), " of ",
+                    key_cache.element_size(), "-byte elements");
   if (alibi_slopes.has_value()) {
     const at::Tensor& s = *alibi_slopes;
     check_cuda(s, "alibi_slopes", device);

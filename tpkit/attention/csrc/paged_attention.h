@@ -50,6 +50,7 @@ typedef struct {
   int rows_per_cta;    // query rows (heads) one thread block serves
   int warps_m, warps_n;
   int slices;          // 16-token slices a warp takes per step of the mma kernel (1 or 2)
+  int swizzled;        // 1: the mma kernel's shared-memory rows are swizzled, 0: padded
   int num_stages;      // cp.async pipeline depth
   int threads;
   int smem_bytes;

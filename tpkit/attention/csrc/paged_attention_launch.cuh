@@ -65,18 +65,23 @@ cudaError_t launch_merge(const tpkit_paged_attention_args* a, cudaStream_t strea
 
 using AttentionKernel = void (*)(tpkit_paged_attention_args);
 
-// The mma kernel that takes `slices` 16-token slices a warp step (2 only where Q stays in shared memory).
+// The mma kernel that takes `slices` 16-token slices a warp step (2 only where Q stays in shared memory),
+// with swizzled shared-memory rows (one slice, where kSwizzleable allows) or padded ones.
 template <typename T, int HEAD>
-AttentionKernel mma_kernel(int slices) {
-  if constexpr (!MmaLayout<HEAD>::kQueryInRegisters) {
-    if (slices == 2) return paged_attention_mma_kernel<T, HEAD, 2>;
+AttentionKernel mma_kernel(int slices, bool swizzled) {
+  if constexpr (!MmaLayout<HEAD, false>::kQueryInRegisters) {
+    if (slices == 2) return paged_attention_mma_kernel<T, HEAD, 2, false>;
   }
-  return paged_attention_mma_kernel<T, HEAD, 1>;
+  if constexpr (kSwizzleable<HEAD>) {
+    if (swizzled) return paged_attention_mma_kernel<T, HEAD, 1, true>;
+  }
+  return paged_attention_mma_kernel<T, HEAD, 1, false>;
 }
 
 template <typename T, int HEAD>
 cudaError_t plan_mma(tpkit_paged_attention_args* a) {
-  using L = MmaLayout<HEAD>;
+  using Padded = MmaLayout<HEAD, false>;
+  using Swizzled = MmaLayout<HEAD, kSwizzleable<HEAD>>;
   int num_sms = 0;
   cudaError_t err = current_device_attribute(cudaDevAttrMultiProcessorCount, &num_sms);
   if (err != cudaSuccess) return err;
@@ -87,9 +92,11 @@ cudaError_t plan_mma(tpkit_paged_attention_args* a) {
   const int warps_n = warps_m <= 2 ? 4 : (warps_m <= 4 ? 2 : 1);
   const int num_warps = warps_m * warps_n;
   const int rows = warps_m * 16;
-  const int stage_bytes = 2 * kTileTokens * L::kRowStride * 16;
-  const int q_bytes = rows * L::kRowStride * 16;
-  const int epilogue_bytes = (2 * num_warps * 16 + 3 * rows) * 4 + num_warps * 16 * L::kOutStride * 4;
+  const int epilogue_bytes = (2 * num_warps * 16 + 3 * rows) * 4 + num_warps * 16 * Padded::kOutStride * 4;
+  // Q, then the K/V stages (reused by the epilogue).
+  auto block_bytes = [&](int row_bytes, int stages) {
+    return rows * row_bytes + std::max(stages * 2 * kTileTokens * row_bytes, epilogue_bytes);
+  };
   // Pipeline depth against resident blocks (registers and shared memory decide how many fit). Long blocks
   // of small groups (one row tile, >= 32 tiles per sequence) take the most 64-token tiles in flight per
   // multiprocessor, (stages - 1) x resident blocks. Otherwise a depth that keeps more blocks resident wins
@@ -101,13 +108,13 @@ cudaError_t plan_mma(tpkit_paged_attention_args* a) {
   const bool prefer_depth = warps_m == 1 && capacity >= 32 * kTileTokens;
   // Two slices a step where a warp's share of a tile holds them (large groups: warps_n <= 2) and Q is not
   // held in registers. (Measured on the H200, C6: 63.5 -> 59.9 us, C3: 16.5 -> 16.0 us.)
-  const int slices = !L::kQueryInRegisters && (kTileTokens / warps_n) % 32 == 0 ? 2 : 1;
-  const void* kernel = reinterpret_cast<const void*>(mma_kernel<T, HEAD>(slices));
+  const int slices = !Padded::kQueryInRegisters && (kTileTokens / warps_n) % 32 == 0 ? 2 : 1;
+  const void* kernel = reinterpret_cast<const void*>(mma_kernel<T, HEAD>(slices, false));
   int smem_limit = 0;
   if ((err = kernel_dynamic_smem_limit(kernel, &smem_limit)) != cudaSuccess) return err;
   int stages = 0, smem = 0, blocks_per_sm = 0;
   for (int s = 2; s <= kMaxStages; ++s) {
-    const int bytes = q_bytes + std::max(s * stage_bytes, epilogue_bytes);
+    const int bytes = block_bytes(Padded::kRowBytes, s);
     if (bytes > smem_limit) break;
     int resident = 0;
     err = kernel_occupancy(kernel, num_warps * 32, bytes, &resident);
@@ -137,6 +144,22 @@ cudaError_t plan_mma(tpkit_paged_attention_args* a) {
   const int rows_written = std::min(a->group_size, rows);
   const double write_cost = rows_written * (HEAD + 1) * 4.0 / (2.0 * kTileTokens * HEAD * sizeof(T));
   plan_partitions(a, num_sms * std::max(blocks_per_sm, 1), write_cost);
+  // Swizzled rows where the grid is one wave of resident blocks (split grids always are) and warps take one
+  // slice: there each block's own copy latency sets the time, and whole-sector copies take half the L2
+  // requests. Grids of several waves and two-slice steps ran slower swizzled, for a cause not found.
+  // (Measured on the H200, every row swizzled against padded: C2 50.8 -> 46.2 us, C4 78.7 -> 78.0, C1 268.3
+  // -> 267.8, C5 147.7 -> 153.8, two-slice C6 59.2 -> 62.5.) Swizzled rows are never longer than padded
+  // ones, so the pipeline depth, occupancy and partitions above still hold.
+  const int64_t grid_blocks =
+      static_cast<int64_t>(a->num_seqs) * a->num_kv_heads * m_groups * a->num_partitions;
+  a->swizzled =
+      kSwizzleable<HEAD> && slices == 1 && grid_blocks <= static_cast<int64_t>(num_sms) * blocks_per_sm;
+  if (a->swizzled) {
+    kernel = reinterpret_cast<const void*>(mma_kernel<T, HEAD>(1, true));
+    smem = block_bytes(Swizzled::kRowBytes, stages);
+    if ((err = kernel_dynamic_smem_limit(kernel, &smem_limit)) != cudaSuccess) return err;
+    a->smem_bytes = smem;
+  }
   // Hopper: a (sequence, KV head)'s partitions as one cluster, merged in shared memory, when every cluster
   // of the grid can be resident at once (clusters must fit within one GPC).
   a->cluster_merge = 0;
@@ -154,7 +177,8 @@ cudaError_t plan_mma(tpkit_paged_attention_args* a) {
 template <typename T, int HEAD>
 cudaError_t launch_mma(const tpkit_paged_attention_args* a, cudaStream_t stream) {
   const dim3 grid(a->num_kv_heads * a->m_groups, a->num_partitions, a->num_seqs);
-  const cudaError_t err = launch_dependent(mma_kernel<T, HEAD>(a->slices), grid, a->threads, a->smem_bytes,
+  const AttentionKernel kernel = mma_kernel<T, HEAD>(a->slices, a->swizzled != 0);
+  const cudaError_t err = launch_dependent(kernel, grid, a->threads, a->smem_bytes,
                                            a->cluster_merge ? a->num_partitions : 1, a, stream);
   if (err != cudaSuccess) return err;
   return launch_merge<T>(a, stream);
@@ -180,6 +204,7 @@ cudaError_t plan_fp32(tpkit_paged_attention_args* a) {
   a->warps_m = 1;
   a->warps_n = kFp32Threads / 32;
   a->slices = 1;
+  a->swizzled = 0;
   a->num_stages = 1;
   a->threads = kFp32Threads;
   a->smem_bytes = smem;

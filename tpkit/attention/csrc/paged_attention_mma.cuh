@@ -28,14 +28,36 @@ constexpr int kPageRing = 8;      // page-id slots, one per tile; more than the 
 // than the merge kernel: 18.4 against 17.9 us on the H200.)
 constexpr int kMaxClusterSize = 8;
 
-// Shared-memory layout of one row (a token's K or V, or a query) in 16-byte chunks.
+// Head size rounded up to the mma k-step.
+constexpr int padded_head(int head) { return (head + 15) / 16 * 16; }
+
+// Rows of a multiple of 8 chunks (16 bytes each) can be stored unpadded and swizzled (below).
 template <int HEAD>
+constexpr bool kSwizzleable = padded_head(HEAD) / 8 % 8 == 0;
+
+// Shared-memory layout of one row (a token's K or V, or a query) in 16-byte chunks. Padded rows have an odd
+// number of chunks, so ldmatrix's 8 rows hit 8 distinct bank groups. Swizzled rows are unpadded: chunk c of
+// row r is stored at c ^ (r & 7), which keeps ldmatrix conflict-free and every 32-byte global sector in one
+// 32-byte unit (an odd padded row, 16 bytes off that boundary, splits its sectors: cp.async then asks L2
+// for 1.5x the bytes, in twice the requests). The plan picks the layout (`swizzled`, measured).
+template <int HEAD, bool SWIZZLED>
 struct MmaLayout {
   static_assert(HEAD % 8 == 0, "head size must be a multiple of 8");
+  static_assert(!SWIZZLED || kSwizzleable<HEAD>, "swizzled rows need a multiple of 8 chunks");
   static constexpr int kChunks = HEAD / 8;                // chunks of real data
-  static constexpr int kPadded = (HEAD + 15) / 16 * 16;   // head size rounded up to the mma k-step
+  static constexpr int kPadded = padded_head(HEAD);
   static constexpr int kPaddedChunks = kPadded / 8;       // even
-  static constexpr int kRowStride = kPaddedChunks + 1;    // odd: ldmatrix's 8 rows hit 8 distinct bank groups
+  static constexpr bool kSwizzled = SWIZZLED;
+  static constexpr int kRowStride = kSwizzled ? kPaddedChunks : kPaddedChunks + 1;
+  static constexpr int kRowBytes = kRowStride * 16;
+  // Where chunk c of row r is stored.
+  __device__ static int chunk(int r, int c) { return kSwizzled ? c ^ (r & 7) : c; }
+  // ldmatrix: a lane reads chunk 2 * step + x (x = 0 or 1) of its row r. Its shared-memory address is
+  // at(row address + lane_base(x) * 16 + 2 * step * 16, lane_bits(r, x)): with rows 128-byte aligned, the
+  // swizzle is one XOR of address bits 4-6, and the rest stays an immediate.
+  __device__ static int lane_base(int x) { return kSwizzled ? 0 : x; }
+  __device__ static uint32_t lane_bits(int r, int x) { return kSwizzled ? (x ^ (r & 7)) << 4 : 0u; }
+  __device__ static uint32_t at(uint32_t addr, uint32_t bits) { return kSwizzled ? addr ^ bits : addr; }
   static constexpr int kKSteps = kPadded / 16;            // k-steps of S = Q K^T
   static constexpr int kNTiles = kPadded / 8;             // 8-column tiles of O
   static constexpr int kOutStride = kPadded + 4;          // float row stride of the epilogue buffer
@@ -48,18 +70,19 @@ constexpr int max_registers(int head) { return head <= 32 ? 80 : head <= 96 ? 12
 
 // SLICES: 16-token slices a warp takes at a time (1 or 2; the plan's `slices`). Two give twice the independent
 // mma chains in flight and one softmax update per 32 tokens, for the large groups that are bound by issue
-// latency; a kernel of its own, so the one-slice kernel keeps its registers and code.
-template <typename T, int HEAD, int SLICES>
+// latency; a kernel of its own, so the one-slice kernel keeps its registers and code. SWIZZLED: the
+// shared-memory layout (MmaLayout).
+template <typename T, int HEAD, int SLICES, bool SWIZZLED>
 __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
     paged_attention_mma_kernel(const tpkit_paged_attention_args p) {
-  using L = MmaLayout<HEAD>;
+  using L = MmaLayout<HEAD, SWIZZLED>;
   static_assert(SLICES == 1 || (SLICES == 2 && !L::kQueryInRegisters), "two slices only with Q in shared memory");
   using Traits = DTypeTraits<T>;
   constexpr int C = L::kChunks;
   constexpr int RS = L::kRowStride;
   constexpr int kLoadIters = (kTileTokens * C + kLoaderThreads - 1) / kLoaderThreads;
 
-  extern __shared__ uint4 smem[];
+  extern __shared__ __align__(128) uint4 smem[];  // swizzled rows start 128-byte aligned
   // KV heads vary fastest, so the blocks reading the same pages (one per KV head) run side by side.
   const int kv_head = blockIdx.x / p.m_groups;
   const int m_group = blockIdx.x - kv_head * p.m_groups;
@@ -119,7 +142,7 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
       const int c = i - r * L::kPaddedChunks;
       const bool valid = r < rows_valid && c < C;  // padding rows and the head-120 pad chunk: zeros
       const T* src = valid ? q_base + static_cast<int64_t>(head0 + r) * p.q_stride_head + c * 8 : q_base;
-      cp_async_16(smem_addr(q_s + r * RS + c), src, valid);
+      cp_async_16(smem_addr(q_s + r * RS + L::chunk(r, c)), src, valid);
     }
     cp_async_commit();
   }
@@ -136,26 +159,46 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
   }
   const int num_tiles = end > start ? (end - start + kTileTokens - 1) / kTileTokens : 0;
 
+  // Block and token strides of the caches in bytes, 32-bit (the binding checks that they fit): a copy's
+  // source address is two wide multiply-adds. (With 64-bit strides in elements, the address arithmetic was
+  // most of the kernel's instructions: ncu on C1 counted 18 IMADs per cp.async.)
+  const uint32_t k_block_bytes = static_cast<uint32_t>(p.k_stride_block * sizeof(T));
+  const uint32_t k_token_bytes = static_cast<uint32_t>(p.k_stride_token * sizeof(T));
+  const uint32_t v_block_bytes = static_cast<uint32_t>(p.v_stride_block * sizeof(T));
+  const uint32_t v_token_bytes = static_cast<uint32_t>(p.v_stride_token * sizeof(T));
+  // Loader threads and their chunk: with C dividing kLoaderThreads, a thread keeps its chunk from copy to
+  // copy and steps kLoaderThreads / C tokens.
+  constexpr bool kFixedChunk = kLoaderThreads % C == 0;
+
   // Copies tile `tile` (64 tokens of K and V) into pipeline stage `stage`; zero-fills masked tokens.
   auto issue_tile = [&](int tile, int stage) {
     if (tid >= kLoaderThreads) return;
-    const int tile_start = start + tile * kTileTokens;
+    // Otherwise each copy's token and chunk are recomputed, not kept in registers across the main loop.
+    const unsigned loader = kFixedChunk ? static_cast<unsigned>(tid) : opaque_thread_index();
+    const int tile_tokens = end - (start + tile * kTileTokens);  // tokens of this tile before the end
     const int* pages = page_s[tile % kPageRing];
-    uint4* k_dst = k_s + stage * kTileTokens * RS;
-    uint4* v_dst = v_s + stage * kTileTokens * RS;
+    const uint32_t k_dst = smem_addr(k_s + stage * kTileTokens * RS);
+    const uint32_t v_dst = smem_addr(v_s + stage * kTileTokens * RS);
 #pragma unroll
     for (int it = 0; it < kLoadIters; ++it) {
-      const int i = tid + it * kLoaderThreads;
+      const int i = static_cast<int>(loader) + it * kLoaderThreads;
       if ((kTileTokens * C) % kLoaderThreads == 0 || i < kTileTokens * C) {
-        const int t = i / C;
-        const int c = i - t * C;
+        const int t = kFixedChunk ? static_cast<int>(loader / C) + it * (kLoaderThreads / C) : i / C;
+        const int c = kFixedChunk ? static_cast<int>(loader % C) : i - t * C;
         const int page = pages[t >> bs_log2];
-        const bool valid = tile_start + t < end && static_cast<unsigned>(page) < static_cast<unsigned>(p.num_blocks);
-        const int64_t off = t & bs_mask;
-        const T* ksrc = valid ? k_base + page * p.k_stride_block + off * p.k_stride_token + c * 8 : k_base;
-        const T* vsrc = valid ? v_base + page * p.v_stride_block + off * p.v_stride_token + c * 8 : v_base;
-        cp_async_16(smem_addr(k_dst + t * RS + c), ksrc, valid);
-        cp_async_16(smem_addr(v_dst + t * RS + c), vsrc, valid);
+        const bool valid = t < tile_tokens && static_cast<unsigned>(page) < static_cast<unsigned>(p.num_blocks);
+        // A masked token copies nothing (zero fill), from an address inside the cache: page 0's.
+        const uint32_t page_index = valid ? static_cast<uint32_t>(page) : 0u;
+        const uint32_t off = static_cast<uint32_t>(t & bs_mask);
+        const uint64_t k_row = reinterpret_cast<uint64_t>(k_base) + c * 16;
+        const uint64_t v_row = reinterpret_cast<uint64_t>(v_base) + c * 16;
+        const void* ksrc = reinterpret_cast<const void*>(
+            mad_wide(page_index, k_block_bytes, mad_wide(off, k_token_bytes, k_row)));
+        const void* vsrc = reinterpret_cast<const void*>(
+            mad_wide(page_index, v_block_bytes, mad_wide(off, v_token_bytes, v_row)));
+        const uint32_t dst = (t * RS + L::chunk(t, c)) * 16;
+        cp_async_16(k_dst + dst, ksrc, valid);
+        cp_async_16(v_dst + dst, vsrc, valid);
       }
     }
   };
@@ -163,7 +206,9 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
   if (reads_page) page_s[(tid / pages_per_tile) % kPageRing][tid % pages_per_tile] = first_page;
   if constexpr (L::kPaddedChunks > C) {
     // The k-step padding column (head size 120) is never copied into: zero it once in every stage.
-    for (int i = tid; i < 2 * num_stages * kTileTokens; i += blockDim.x) k_s[i * RS + C] = make_uint4(0u, 0u, 0u, 0u);
+    for (int i = tid; i < 2 * num_stages * kTileTokens; i += blockDim.x) {
+      k_s[i * RS + L::chunk(i, C)] = make_uint4(0u, 0u, 0u, 0u);  // row i of a tile is row i % 64: same r & 7
+    }
   }
   __syncthreads();  // page_s
   for (int s = 0; s < num_stages - 1; ++s) {
@@ -184,10 +229,14 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
   const float last_pos = static_cast<float>(seq_len - 1);
 
   uint32_t q_frag[L::kQueryInRegisters ? L::kKSteps : 1][4];
-  const uint32_t q_addr = smem_addr(q_s + (warp_m * 16 + (lane & 15)) * RS + (lane >> 4));
+  // ldmatrix lane addresses: the lane's row (of an 8x8 matrix) and its part of each step's chunk. Q: rows
+  // of the warp's 16-row tile.
+  const int q_row = warp_m * 16 + (lane & 15);
+  const uint32_t q_addr = smem_addr(q_s + q_row * RS + L::lane_base(lane >> 4));
+  const uint32_t q_xor = L::lane_bits(q_row, lane >> 4);
   if constexpr (L::kQueryInRegisters) {
 #pragma unroll
-    for (int ks = 0; ks < L::kKSteps; ++ks) ldmatrix_x4(q_frag[ks], q_addr + ks * 2 * 16);
+    for (int ks = 0; ks < L::kKSteps; ++ks) ldmatrix_x4(q_frag[ks], L::at(q_addr + ks * 2 * 16, q_xor));
   }
 
   float o[L::kNTiles][4];
@@ -197,9 +246,12 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
   float l0 = 0.f, l1 = 0.f;              // this thread's share of the running sums
 
   const int tokens_per_warp = kTileTokens / p.warps_n;
-  // ldmatrix lane offsets (in chunks) inside a 16-token slice: K non-transposed, V transposed.
-  const int k_lane_off = ((lane & 7) + ((lane >> 4) << 3)) * RS + ((lane >> 3) & 1);
-  const int v_lane_off = ((lane & 7) + (((lane >> 3) & 1) << 3)) * RS + (lane >> 4);
+  // K and V: rows inside a 16-token slice (slices start at multiples of 16, so a row's r & 7 is lane & 7);
+  // K non-transposed, V transposed.
+  const int k_lane_off = ((lane & 7) + ((lane >> 4) << 3)) * RS + L::lane_base((lane >> 3) & 1);
+  const uint32_t k_xor = L::lane_bits(lane, (lane >> 3) & 1);
+  const int v_lane_off = ((lane & 7) + (((lane >> 3) & 1) << 3)) * RS + L::lane_base(lane >> 4);
+  const uint32_t v_xor = L::lane_bits(lane, lane >> 4);
 
   for (int tile = 0; tile < num_tiles; ++tile) {
     // Block-table reads for tile + num_stages: in flight during this iteration, stored at its end.
@@ -231,12 +283,12 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
 #pragma unroll
             for (int i = 0; i < 4; ++i) a[i] = q_frag[ks][i];
           } else {
-            ldmatrix_x4(a, q_addr + ks * 2 * 16);
+            ldmatrix_x4(a, L::at(q_addr + ks * 2 * 16, q_xor));
           }
 #pragma unroll
           for (int sl = 0; sl < SLICES; ++sl) {
             uint32_t b[4];
-            ldmatrix_x4(b, k_addr + (sl * 16 * RS + ks * 2) * 16);
+            ldmatrix_x4(b, L::at(k_addr + (sl * 16 * RS + ks * 2) * 16, k_xor));
             mma_m16n8k16<Traits::kIsBF16>(s[2 * sl], a, b[0], b[1]);
             mma_m16n8k16<Traits::kIsBF16>(s[2 * sl + 1], a, b[2], b[3]);
           }
@@ -308,7 +360,7 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
 #pragma unroll
           for (int sl = 0; sl < SLICES; ++sl) {
             uint32_t b[4];
-            ldmatrix_x4_trans(b, v_addr + (sl * 16 * RS + np * 2) * 16);
+            ldmatrix_x4_trans(b, L::at(v_addr + (sl * 16 * RS + np * 2) * 16, v_xor));
             mma_m16n8k16<Traits::kIsBF16>(o[2 * np], pa[sl], b[0], b[1]);
             mma_m16n8k16<Traits::kIsBF16>(o[2 * np + 1], pa[sl], b[2], b[3]);
           }

@@ -21,6 +21,21 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool 
                : "memory");
 }
 
+// a * b + c with a 64-bit product and sum: one wide multiply-add (the compiler may widen first, then
+// multiply in 64 bits).
+__device__ __forceinline__ uint64_t mad_wide(uint32_t a, uint32_t b, uint64_t c) {
+  uint64_t d;
+  asm("mad.wide.u32 %0, %1, %2, %3;\n" : "=l"(d) : "r"(a), "r"(b), "l"(c));
+  return d;
+}
+
+// threadIdx.x, read anew at each use: the compiler cannot hoist what is computed from it out of a loop.
+__device__ __forceinline__ unsigned opaque_thread_index() {
+  unsigned index;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(index));
+  return index;
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 
 template <int N>
