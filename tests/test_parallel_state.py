@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 
@@ -75,17 +74,11 @@ def test_bad_arguments_change_nothing() -> None:
         TPGroup(None, 2, 2)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @needs_plain_process
 def test_torchrun_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """With torchrun's variables set, init creates the default group (gloo here) and destroy removes it."""
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(multirank.free_port()))
     for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
         monkeypatch.setenv(name, value)
     try:
