@@ -81,6 +81,17 @@ def _check_attention(dtype: torch.dtype, head_size: int, block_size: int, num_he
     torch.testing.assert_close(out.float().cpu(), expected, atol=atol, rtol=rtol)
 
 
+def _plan(dtype: torch.dtype, head_size: int, block_size: int, num_heads: int, num_kv_heads: int,
+          seq_lens: list[int]) -> dict[str, int]:
+    """The CUDA launch plan of the call _check_attention makes with the same arguments (the plan depends on
+    the shapes alone: block tables as wide as _make_paged builds them)."""
+    dev = torch.device("cuda")
+    width = max(math.ceil(n / block_size) for n in seq_lens) + 1
+    return _cuda.launch_plan(torch.empty(len(seq_lens), num_heads, head_size, dtype=dtype, device=dev),
+                             torch.empty(4, block_size, num_kv_heads, head_size, dtype=dtype, device=dev),
+                             torch.zeros(len(seq_lens), width, dtype=torch.int32, device=dev))
+
+
 def _grid_cases() -> list[tuple]:
     """Every head size per dtype (block sizes, ratios and ALiBi cycled), then every block size x ratio x
     ALiBi per dtype at head size 128."""
@@ -120,12 +131,8 @@ def test_paged_attention_many_sequences_no_split(dtype: torch.dtype) -> None:
 def test_paged_attention_two_slice_steps(head_size: int, group_size: int, slices: int) -> None:
     """Large groups (more than 32 query heads a KV head) take two 16-token slices per warp step, where the
     query stays in shared memory (head > 64); against the CPU op, with lengths that end mid-slice."""
-    dev = torch.device("cuda")
     seq_lens = [1, 15, 16, 17, 33, 47, 300, 1000]
-    num_seqs = len(seq_lens)
-    plan = _cuda.launch_plan(torch.empty(num_seqs, group_size, head_size, dtype=torch.bfloat16, device=dev),
-                             torch.empty(4, 16, 1, head_size, dtype=torch.bfloat16, device=dev),
-                             torch.zeros(num_seqs, 1000 // 16 + 2, dtype=torch.int32, device=dev))
+    plan = _plan(torch.bfloat16, head_size, 16, group_size, 1, seq_lens)
     assert plan["slices"] == slices, plan
     _check_attention(torch.bfloat16, head_size, 16, group_size, 1, seq_lens, alibi=group_size == 48,
                      seed=head_size + group_size)
@@ -139,10 +146,7 @@ def test_paged_attention_layouts(head_size: int, num_seqs: int, swizzled: int) -
     generator = torch.Generator().manual_seed(head_size + num_seqs)
     seq_lens = torch.randint(0, 300, (num_seqs,), generator=generator).tolist()
     seq_lens[:3] = [1, 64, 299]
-    dev = torch.device("cuda")
-    plan = _cuda.launch_plan(torch.empty(num_seqs, 32, head_size, dtype=torch.bfloat16, device=dev),
-                             torch.empty(4, 16, 8, head_size, dtype=torch.bfloat16, device=dev),
-                             torch.zeros(num_seqs, 299 // 16 + 2, dtype=torch.int32, device=dev))
+    plan = _plan(torch.bfloat16, head_size, 16, 32, 8, seq_lens)
     assert (plan["slices"], plan["swizzled"]) == (1, swizzled), plan
     _check_attention(torch.bfloat16, head_size, 16, 32, 8, seq_lens, alibi=False, seed=head_size + num_seqs)
 
@@ -160,11 +164,7 @@ def test_paged_attention_merge_paths(seq_len: int, cluster_merge: int) -> None:
     (bench_paged_attention's C3 shapes: 8 sequences of 2048 tokens, MQA 48:1) take the merge kernel. Both
     against the CPU op, with empty and short sequences whose later partitions hold nothing."""
     seq_lens = [0, 1, 17, 64, 65, seq_len // 2, seq_len - 1, seq_len]
-    dev = torch.device("cuda")
-    width = seq_len // 16 + 1  # as _make_paged builds the block tables
-    plan = _cuda.launch_plan(torch.empty(8, 48, 128, dtype=torch.float16, device=dev),
-                             torch.empty(4, 16, 1, 128, dtype=torch.float16, device=dev),
-                             torch.zeros(8, width, dtype=torch.int32, device=dev))
+    plan = _plan(torch.float16, 128, 16, 48, 1, seq_lens)
     assert plan["num_partitions"] > 1 and plan["cluster_merge"] == cluster_merge, plan
     _check_attention(torch.float16, 128, 16, 48, 1, seq_lens, alibi=False, seed=seq_len)
 
