@@ -20,6 +20,7 @@ SANITIZE_CASES=("$T::test_paged_attention_grid[float16-120-32-4-True]"
                 "$T::test_paged_attention_merge_paths[256-1]"
                 "$T::test_paged_attention_two_slice_steps[120-40-2]"
                 "$T::test_paged_attention_layouts[6-1-120]"
+                "$T::test_paged_attention_wgmma[48-1-torch.bfloat16]"
                 "$T::test_paged_attention_strided_query"
                 "$T::test_reshape_and_cache[120-torch.float16]")
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"

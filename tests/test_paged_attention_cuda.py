@@ -133,9 +133,23 @@ def test_paged_attention_two_slice_steps(head_size: int, group_size: int, slices
     query stays in shared memory (head > 64); against the CPU op, with lengths that end mid-slice."""
     seq_lens = [1, 15, 16, 17, 33, 47, 300, 1000]
     plan = _plan(torch.bfloat16, head_size, 16, group_size, 1, seq_lens)
-    assert plan["slices"] == slices, plan
+    # Head 128 on compute 9.0 takes the warpgroup kernel instead (test_paged_attention_wgmma).
+    assert plan["slices"] == (1 if plan["wgmma"] else slices), plan
     _check_attention(torch.bfloat16, head_size, 16, group_size, 1, seq_lens, alibi=group_size == 48,
                      seed=head_size + group_size)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("group_size", "num_kv_heads"), [(33, 2), (48, 1), (64, 1), (100, 1), (128, 2)])
+def test_paged_attention_wgmma(dtype: torch.dtype, group_size: int, num_kv_heads: int) -> None:
+    """Head 128 with more than 32 query heads a KV head: on compute 9.0 the warpgroup kernel (64 rows a
+    block: groups of 100 and 128 take two blocks a KV head), elsewhere the mma kernel; against the CPU op,
+    with ALiBi and lengths that end mid-tile and split."""
+    seq_lens = [0, 1, 63, 64, 65, 300, 2100]
+    num_heads = group_size * num_kv_heads
+    plan = _plan(dtype, 128, 16, num_heads, num_kv_heads, seq_lens)
+    assert plan["wgmma"] == (1 if torch.cuda.get_device_capability() == (9, 0) else 0), plan
+    _check_attention(dtype, 128, 16, num_heads, num_kv_heads, seq_lens, alibi=True, seed=group_size)
 
 
 @pytest.mark.parametrize("head_size", [120, 128])
@@ -161,12 +175,13 @@ def test_paged_attention_long_context() -> None:
 @pytest.mark.parametrize(("seq_len", "cluster_merge"), [(256, 1), (2048, 0)])
 def test_paged_attention_merge_paths(seq_len: int, cluster_merge: int) -> None:
     """On Hopper, a split into at most 8 partitions merges inside a thread-block cluster; more partitions
-    (bench_paged_attention's C3 shapes: 8 sequences of 2048 tokens, MQA 48:1) take the merge kernel. Both
-    against the CPU op, with empty and short sequences whose later partitions hold nothing."""
+    (bench_paged_attention's C3 shapes, 8 sequences of 2048 tokens, MQA 48:1, but head 120: head 128 takes
+    the warpgroup kernel there, which has no cluster merge) take the merge kernel. Both against the CPU op,
+    with empty and short sequences whose later partitions hold nothing."""
     seq_lens = [0, 1, 17, 64, 65, seq_len // 2, seq_len - 1, seq_len]
-    plan = _plan(torch.float16, 128, 16, 48, 1, seq_lens)
+    plan = _plan(torch.float16, 120, 16, 48, 1, seq_lens)
     assert plan["num_partitions"] > 1 and plan["cluster_merge"] == cluster_merge, plan
-    _check_attention(torch.float16, 128, 16, 48, 1, seq_lens, alibi=False, seed=seq_len)
+    _check_attention(torch.float16, 120, 16, 48, 1, seq_lens, alibi=False, seed=seq_len)
 
 
 def test_paged_attention_strided_query() -> None:

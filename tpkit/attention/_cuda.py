@@ -64,10 +64,18 @@ def build_root() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "torch_extensions"
 
 
+def arch_flags(capability: tuple[int, int]) -> list[str]:
+    """nvcc's target for one architecture: on compute 9.0 (H100, H200) sm_90a, whose warpgroup products
+    (wgmma) the large-group kernel uses, with ``TPKIT_SM90A`` defined; else sm_XY."""
+    if capability == (9, 0):
+        return ["-gencode=arch=compute_90a,code=sm_90a", "-DTPKIT_SM90A"]
+    arch = f"{capability[0]}{capability[1]}"
+    return [f"-gencode=arch=compute_{arch},code=sm_{arch}"]
+
+
 def compile_flags(capability: tuple[int, int]) -> list[str]:
     """nvcc flags for one architecture (naming it stops torch from adding its own ``-gencode`` list)."""
-    arch = f"{capability[0]}{capability[1]}"
-    return ["-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-lineinfo"]
+    return ["-O3", "-std=c++17", *arch_flags(capability), "-lineinfo"]
 
 
 def build(capability: tuple[int, int], *, verbose: bool = False) -> ModuleType:

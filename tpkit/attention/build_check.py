@@ -1,9 +1,10 @@
 """Compile check of the torch-free CUDA kernel sources, for CI machines that have nvcc but no GPU.
 
 ``python -m tpkit.attention.build_check`` compiles every ``csrc/*.cu`` (everything but the torch binding)
-for sm_80 and sm_90 into object files in a temporary directory, with the flags the JIT build uses plus
-the half-precision macros torch's build defines, and ``-Xptxas -v``. It prints one line per kernel with
-registers and spills, and exits non-zero on any compiler error (or, with ``--no-spills``, on any spill).
+for sm_80 and sm_90a (the JIT build's targets) into object files in a temporary directory, with the
+flags the JIT build uses plus the half-precision macros torch's build defines, and ``-Xptxas -v``. It
+prints one line per kernel with registers and spills, and exits non-zero on any compiler error (or, with
+``--no-spills``, on any spill).
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from tpkit.attention._cuda import arch_flags
+
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_ARCHS = ("80", "90")
+_CAPABILITIES = ((8, 0), (9, 0))
 # torch.utils.cpp_extension adds these to every nvcc command; the kernels must compile with them.
 _TORCH_NVCC_DEFINES = (
     "-D__CUDA_NO_HALF_OPERATORS__",
@@ -28,7 +31,7 @@ _TORCH_NVCC_DEFINES = (
     "-D__CUDA_NO_HALF2_OPERATORS__",
     "--expt-relaxed-constexpr",
 )
-_ENTRY = re.compile(r"Compiling entry function '(\w+)' for '(sm_\d+)'")
+_ENTRY = re.compile(r"Compiling entry function '(\w+)' for '(sm_\w+)'")
 _SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _REGS = re.compile(r"Used (\d+) registers")
 
@@ -40,9 +43,15 @@ def _nvcc() -> str | None:
     return shutil.which("nvcc")
 
 
-def _compile(nvcc: str, source: Path, arch: str, out_dir: Path) -> subprocess.CompletedProcess[str]:
-    obj = out_dir / f"{source.stem}.sm_{arch}.o"
-    cmd = [nvcc, "-std=c++17", "-O3", *_TORCH_NVCC_DEFINES, f"-gencode=arch=compute_{arch},code=sm_{arch}",
+def _target(capability: tuple[int, int]) -> str:
+    """The compiled target's name, as ptxas prints it (sm_80, sm_90a)."""
+    return arch_flags(capability)[0].rsplit("code=", 1)[1]
+
+
+def _compile(nvcc: str, source: Path, capability: tuple[int, int],
+             out_dir: Path) -> subprocess.CompletedProcess[str]:
+    obj = out_dir / f"{source.stem}.{_target(capability)}.o"
+    cmd = [nvcc, "-std=c++17", "-O3", *_TORCH_NVCC_DEFINES, *arch_flags(capability),
            "-Xptxas", "-v", f"-I{_CSRC}", "-c", str(source), "-o", str(obj)]
     return subprocess.run(cmd, capture_output=True, text=True, check=False)
 
@@ -73,23 +82,24 @@ def main(argv: list[str] | None = None) -> int:
         print("build_check: nvcc not found (set CUDA_HOME or put nvcc on PATH)", file=sys.stderr)
         return 2
     sources = sorted(_CSRC.glob("*.cu"))
-    jobs = [(source, arch) for source in sources for arch in _ARCHS]
+    jobs = [(source, capability) for source in sources for capability in _CAPABILITIES]
     with tempfile.TemporaryDirectory(prefix="tpkit_build_check_") as tmp, \
             ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
         results = list(pool.map(lambda job: _compile(nvcc, job[0], job[1], Path(tmp)), jobs))
     failed = 0
     spilled = 0
-    for (source, arch), result in zip(jobs, results, strict=True):
+    for (source, capability), result in zip(jobs, results, strict=True):
         if result.returncode != 0:
             failed += 1
-            print(f"FAILED {source.name} sm_{arch}:\n{result.stdout}{result.stderr}", file=sys.stderr)
+            print(f"FAILED {source.name} {_target(capability)}:\n{result.stdout}{result.stderr}",
+                  file=sys.stderr)
             continue
         for kernel, kernel_arch, registers, spill_bytes in _kernel_report(result.stderr):
             spilled += spill_bytes > 0
             flag = f"  SPILLS {spill_bytes} bytes" if spill_bytes else ""
             print(f"{kernel_arch} {registers:4d} registers  {kernel}{flag}")
     print(f"build_check: {len(jobs) - failed}/{len(jobs)} compiled ({', '.join(s.name for s in sources)} for "
-          f"sm_{', sm_'.join(_ARCHS)}), {spilled} kernel(s) with spills")
+          f"{', '.join(_target(c) for c in _CAPABILITIES)}), {spilled} kernel(s) with spills")
     if failed or (args.no_spills and spilled):
         return 1
     return 0

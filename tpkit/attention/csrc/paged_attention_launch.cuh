@@ -9,6 +9,7 @@
 #include "paged_attention_fp32.cuh"
 #include "paged_attention_merge.cuh"
 #include "paged_attention_mma.cuh"
+#include "paged_attention_wgmma.cuh"
 
 namespace tpkit {
 
@@ -78,8 +79,93 @@ AttentionKernel mma_kernel(int slices, bool swizzled) {
   return paged_attention_mma_kernel<T, HEAD, 1, false>;
 }
 
+// Pipeline depth against resident blocks (registers and shared memory decide how many fit): the stage count
+// (2 .. kMaxStages) for `kernel` with `threads` threads and block_bytes(stages) bytes of shared memory. With
+// prefer_depth, the most 64-token tiles in flight per multiprocessor, (stages - 1) x resident blocks;
+// otherwise a depth that keeps more blocks resident wins while it keeps at least 2/3 as many tiles in
+// flight: more warps hide the start and end of short blocks and the tensor-core work of large groups.
+// (Measured on the H200, head 128: C1 ran 275 us with 2 blocks x 3 stages and 364 us with 3 x 2; C5 155 us
+// with 3 x 2 and 170 us with 2 x 3; C6 74 us with 2 x 2 and 102 us with 1 x 4.)
+template <typename BlockBytes>
+cudaError_t choose_pipeline(const void* kernel, int threads, BlockBytes block_bytes, bool prefer_depth,
+                            int* stages, int* smem, int* blocks_per_sm) {
+  int smem_limit = 0;
+  cudaError_t err = kernel_dynamic_smem_limit(kernel, &smem_limit);
+  if (err != cudaSuccess) return err;
+  *stages = *smem = *blocks_per_sm = 0;
+  for (int s = 2; s <= kMaxStages; ++s) {
+    const int bytes = block_bytes(s);
+    if (bytes > smem_limit) break;
+    int resident = 0;
+    if ((err = kernel_occupancy(kernel, threads, bytes, &resident)) != cudaSuccess) return err;
+    const int in_flight = resident * (s - 1), best = *blocks_per_sm * (*stages - 1);
+    bool better;
+    if (prefer_depth || resident == *blocks_per_sm) {
+      better = in_flight > best;
+    } else {
+      better = resident > *blocks_per_sm ? 3 * in_flight >= 2 * best : 2 * in_flight > 3 * best;
+    }
+    if (*stages == 0 || better) {
+      *stages = s;
+      *smem = bytes;
+      *blocks_per_sm = resident;
+    }
+  }
+  return *stages == 0 || *blocks_per_sm == 0 ? cudaErrorInvalidConfiguration : cudaSuccess;
+}
+
+// Whether this build has the warpgroup kernel (sm_90a) and the current device runs it (compute 9.0).
+inline cudaError_t wgmma_available(bool* available) {
+  *available = false;
+#if defined(TPKIT_SM90A)
+  int major = 0, minor = 0;
+  cudaError_t err = current_device_attribute(cudaDevAttrComputeCapabilityMajor, &major);
+  if (err == cudaSuccess) err = current_device_attribute(cudaDevAttrComputeCapabilityMinor, &minor);
+  if (err != cudaSuccess) return err;
+  *available = major == 9 && minor == 0;
+#endif
+  return cudaSuccess;
+}
+
+// The warpgroup kernel (paged_attention_wgmma.cuh): up to 64 query heads of a KV head a block, no clusters.
+template <typename T>
+cudaError_t plan_wgmma(tpkit_paged_attention_args* a) {
+  int num_sms = 0;
+  cudaError_t err = current_device_attribute(cudaDevAttrMultiProcessorCount, &num_sms);
+  if (err != cudaSuccess) return err;
+  const void* kernel = reinterpret_cast<const void*>(&paged_attention_wgmma_kernel<T>);
+  int stages = 0, smem = 0, blocks_per_sm = 0;
+  err = choose_pipeline(kernel, kWgmmaThreads, [](int s) { return wgmma_smem_bytes<T>(s); }, false, &stages,
+                        &smem, &blocks_per_sm);
+  if (err != cudaSuccess) return err;
+  a->m_groups = ceil_div(a->group_size, kWgmmaRows);
+  a->rows_per_cta = kWgmmaRows;
+  a->warps_m = kWgmmaThreads / 32;
+  a->warps_n = 1;
+  a->slices = 1;
+  a->swizzled = 0;
+  a->wgmma = 1;
+  a->num_stages = stages;
+  a->threads = kWgmmaThreads;
+  a->smem_bytes = smem;
+  a->cluster_merge = 0;
+  const int rows_written = std::min(a->group_size, kWgmmaRows);
+  const double write_cost = rows_written * (kWgmmaHead + 1) * 4.0 / (2.0 * kTileTokens * kWgmmaHead * sizeof(T));
+  plan_partitions(a, num_sms * blocks_per_sm, write_cost);
+  return cudaSuccess;
+}
+
 template <typename T, int HEAD>
 cudaError_t plan_mma(tpkit_paged_attention_args* a) {
+  // Groups of more than 32 query heads (the two-slice configurations of the mma kernel) take the warpgroup
+  // kernel where it is built and runs.
+  if constexpr (HEAD == kWgmmaHead) {
+    bool available = false;
+    const cudaError_t err = wgmma_available(&available);
+    if (err != cudaSuccess) return err;
+    if (available && a->group_size > 32) return plan_wgmma<T>(a);
+  }
+  a->wgmma = 0;
   using Padded = MmaLayout<HEAD, false>;
   using Swizzled = MmaLayout<HEAD, kSwizzleable<HEAD>>;
   int num_sms = 0;
@@ -97,42 +183,17 @@ cudaError_t plan_mma(tpkit_paged_attention_args* a) {
   auto block_bytes = [&](int row_bytes, int stages) {
     return rows * row_bytes + std::max(stages * 2 * kTileTokens * row_bytes, epilogue_bytes);
   };
-  // Pipeline depth against resident blocks (registers and shared memory decide how many fit). Long blocks
-  // of small groups (one row tile, >= 32 tiles per sequence) take the most 64-token tiles in flight per
-  // multiprocessor, (stages - 1) x resident blocks. Otherwise a depth that keeps more blocks resident wins
-  // while it keeps at least 2/3 as many tiles in flight: more warps hide the start and end of short blocks
-  // and the tensor-core work of large groups. (Measured on the H200, head 128: C1 ran 275 us with 2 blocks
-  // x 3 stages and 364 us with 3 x 2; C5 155 us with 3 x 2 and 170 us with 2 x 3; C6 74 us with 2 x 2 and
-  // 102 us with 1 x 4.)
+  // Long blocks of small groups (one row tile, >= 32 tiles per sequence) take the deepest pipeline.
   const int64_t capacity = static_cast<int64_t>(a->max_blocks_per_seq) * a->block_size;
   const bool prefer_depth = warps_m == 1 && capacity >= 32 * kTileTokens;
   // Two slices a step where a warp's share of a tile holds them (large groups: warps_n <= 2) and Q is not
   // held in registers. (Measured on the H200, C6: 63.5 -> 59.9 us, C3: 16.5 -> 16.0 us.)
   const int slices = !Padded::kQueryInRegisters && (kTileTokens / warps_n) % 32 == 0 ? 2 : 1;
   const void* kernel = reinterpret_cast<const void*>(mma_kernel<T, HEAD>(slices, false));
-  int smem_limit = 0;
-  if ((err = kernel_dynamic_smem_limit(kernel, &smem_limit)) != cudaSuccess) return err;
   int stages = 0, smem = 0, blocks_per_sm = 0;
-  for (int s = 2; s <= kMaxStages; ++s) {
-    const int bytes = block_bytes(Padded::kRowBytes, s);
-    if (bytes > smem_limit) break;
-    int resident = 0;
-    err = kernel_occupancy(kernel, num_warps * 32, bytes, &resident);
-    if (err != cudaSuccess) return err;
-    const int in_flight = resident * (s - 1), best = blocks_per_sm * (stages - 1);
-    bool better;
-    if (prefer_depth || resident == blocks_per_sm) {
-      better = in_flight > best;
-    } else {
-      better = resident > blocks_per_sm ? 3 * in_flight >= 2 * best : 2 * in_flight > 3 * best;
-    }
-    if (stages == 0 || better) {
-      stages = s;
-      smem = bytes;
-      blocks_per_sm = resident;
-    }
-  }
-  if (stages == 0 || blocks_per_sm == 0) return cudaErrorInvalidConfiguration;
+  err = choose_pipeline(kernel, num_warps * 32, [&](int s) { return block_bytes(Padded::kRowBytes, s); },
+                        prefer_depth, &stages, &smem, &blocks_per_sm);
+  if (err != cudaSuccess) return err;
   a->m_groups = m_groups;
   a->rows_per_cta = rows;
   a->warps_m = warps_m;
@@ -157,6 +218,7 @@ cudaError_t plan_mma(tpkit_paged_attention_args* a) {
   if (a->swizzled) {
     kernel = reinterpret_cast<const void*>(mma_kernel<T, HEAD>(1, true));
     smem = block_bytes(Swizzled::kRowBytes, stages);
+    int smem_limit = 0;  // raises the swizzled kernel's limit
     if ((err = kernel_dynamic_smem_limit(kernel, &smem_limit)) != cudaSuccess) return err;
     a->smem_bytes = smem;
   }
@@ -177,6 +239,14 @@ cudaError_t plan_mma(tpkit_paged_attention_args* a) {
 template <typename T, int HEAD>
 cudaError_t launch_mma(const tpkit_paged_attention_args* a, cudaStream_t stream) {
   const dim3 grid(a->num_kv_heads * a->m_groups, a->num_partitions, a->num_seqs);
+  if constexpr (HEAD == kWgmmaHead) {
+    if (a->wgmma) {
+      const cudaError_t err = launch_dependent(paged_attention_wgmma_kernel<T>, grid, a->threads, a->smem_bytes, 1, a,
+                                               stream);
+      if (err != cudaSuccess) return err;
+      return launch_merge<T>(a, stream);
+    }
+  }
   const AttentionKernel kernel = mma_kernel<T, HEAD>(a->slices, a->swizzled != 0);
   const cudaError_t err = launch_dependent(kernel, grid, a->threads, a->smem_bytes,
                                            a->cluster_merge ? a->num_partitions : 1, a, stream);
@@ -205,6 +275,7 @@ cudaError_t plan_fp32(tpkit_paged_attention_args* a) {
   a->warps_n = kFp32Threads / 32;
   a->slices = 1;
   a->swizzled = 0;
+  a->wgmma = 0;
   a->num_stages = 1;
   a->threads = kFp32Threads;
   a->smem_bytes = smem;

@@ -1,0 +1,293 @@
+// Decode attention on Hopper's warpgroup products (wgmma, sm_90a), for large groups: more than 32 query
+// heads a KV head, head size 128, fp16/bf16. Torch-free.
+//
+// One warpgroup (4 warps) a thread block serves up to 64 query heads of one KV head as the 64 rows of
+// S = Q K^T (m64n64k16: Q and K from shared memory) and O += P V (m64n128k16: P from registers, V from
+// shared memory). The mma.sync kernel has every warp read K and V from shared memory for its own 16 rows;
+// here each K/V byte is read from shared memory once per warpgroup. Warp w owns rows 16w .. 16w + 15 of
+// S and O whole, so its online softmax needs no other warp, and the epilogue writes straight from
+// registers. K/V pages stream through the mma kernel's cp.async pipeline of 64-token tiles, into the
+// 128-byte-swizzled planes of wgmma.cuh; the query the same, once.
+#pragma once
+
+#include <math.h>
+
+#include "dtype_traits.cuh"
+#include "paged_attention.h"
+#include "paged_attention_mma.cuh"
+#include "ptx.cuh"
+#include "wgmma.cuh"
+
+namespace tpkit {
+
+constexpr int kWgmmaHead = 128;
+constexpr int kWgmmaRows = 64;      // query rows a block's products take (the group, padded)
+constexpr int kWgmmaThreads = 128;  // one warpgroup
+constexpr int kPlaneBytes = 64 * 128;  // 64 rows x 128 bytes: 64 columns of a 64-row operand
+// Q, then each stage's K and V (2 planes each); the base rounded up to 1024 bytes at run time.
+template <typename T>
+constexpr int wgmma_smem_bytes(int stages) {
+  return 1024 + kWgmmaRows * kWgmmaHead * static_cast<int>(sizeof(T)) +
+         stages * 2 * kTileTokens * kWgmmaHead * static_cast<int>(sizeof(T));
+}
+
+// Byte offset of 16-byte chunk c of row r in 64-row planes (wgmma.cuh).
+__device__ __forceinline__ uint32_t plane_offset(int r, int c) {
+  return (c >> 3) * kPlaneBytes + r * 128 + (((c & 7) ^ (r & 7)) << 4);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kWgmmaThreads) paged_attention_wgmma_kernel(const tpkit_paged_attention_args p) {
+#if TPKIT_WGMMA_AVAILABLE
+  using Traits = DTypeTraits<T>;
+  static_assert(sizeof(T) == 2, "fp16 or bf16");
+  constexpr int C = kWgmmaHead / 8;                               // 16-byte chunks a row
+  constexpr int kLoadIters = kTileTokens * C / kWgmmaThreads;     // copies a thread issues per tile and operand
+  constexpr uint32_t kStageBytes = 2 * 2 * kPlaneBytes;           // K, then V
+
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  // Swizzle atoms start on 1024-byte boundaries (descriptor base offset 0).
+  const uint32_t raw = smem_addr(smem_raw);
+  const uint32_t q_s = (raw + 1023) & ~1023u;  // [2 planes][64 rows][128 bytes]
+  const uint32_t kv_s = q_s + 2 * kPlaneBytes;  // [num_stages][K 2 planes, V 2 planes][64 rows][128 bytes]
+
+  const int kv_head = blockIdx.x / p.m_groups;
+  const int m_group = blockIdx.x - kv_head * p.m_groups;
+  const int partition = blockIdx.y;
+  const int seq = blockIdx.z;
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int first_row = m_group * kWgmmaRows;
+  const int rows_valid = min(kWgmmaRows, p.group_size - first_row);
+  const int head0 = kv_head * p.group_size + first_row;
+
+  grid_wait_primary();
+  const int seq_len_read = p.seq_lens[seq];
+  const int capacity = p.max_blocks_per_seq << p.block_size_log2;
+  const int start = partition * p.partition_size;
+  const int table_end = min(start + p.partition_size, capacity);
+  const int num_stages = p.num_stages;
+
+  const T* k_base = static_cast<const T*>(p.key_cache) + static_cast<int64_t>(kv_head) * p.k_stride_head;
+  const T* v_base = static_cast<const T*>(p.value_cache) + static_cast<int64_t>(kv_head) * p.v_stride_head;
+  const int* bt_row = p.block_tables + static_cast<int64_t>(seq) * p.bt_stride;
+  const int bs_log2 = p.block_size_log2;
+  const int bs_mask = (1 << bs_log2) - 1;
+  const int pages_per_tile = kTileTokens >> bs_log2;
+
+  __shared__ int page_s[kPageRing][kTileTokens / kMinBlockSize];
+  auto page_of = [&](int tile, int j) -> int {
+    const int pos = start + tile * kTileTokens + (j << bs_log2);
+    return pos < table_end ? __ldg(bt_row + (pos >> bs_log2)) : -1;
+  };
+
+  const bool reads_page = tid < num_stages * pages_per_tile;
+  const int first_page = reads_page ? page_of(tid / pages_per_tile, tid % pages_per_tile) : -1;
+  {
+    const T* q_base = static_cast<const T*>(p.query) + static_cast<int64_t>(seq) * p.q_stride_seq;
+    for (int i = tid; i < kWgmmaRows * C; i += kWgmmaThreads) {
+      const int r = i / C;
+      const int c = i - r * C;
+      const bool valid = r < rows_valid;  // padding rows: zeros
+      const T* src = valid ? q_base + static_cast<int64_t>(head0 + r) * p.q_stride_head + c * 8 : q_base;
+      cp_async_16(q_s + plane_offset(r, c), src, valid);
+    }
+    cp_async_commit();
+  }
+
+  const int seq_len = min(seq_len_read, capacity);
+  const int end = min(start + p.partition_size, seq_len);
+  const bool split = p.num_partitions > 1;
+  if (split && start >= seq_len) {
+    cp_async_wait<0>();
+    return;
+  }
+  const int num_tiles = end > start ? (end - start + kTileTokens - 1) / kTileTokens : 0;
+
+  const uint32_t k_block_bytes = static_cast<uint32_t>(p.k_stride_block * sizeof(T));
+  const uint32_t k_token_bytes = static_cast<uint32_t>(p.k_stride_token * sizeof(T));
+  const uint32_t v_block_bytes = static_cast<uint32_t>(p.v_stride_block * sizeof(T));
+  const uint32_t v_token_bytes = static_cast<uint32_t>(p.v_stride_token * sizeof(T));
+  const int chunk = tid % C;  // each thread copies one chunk of every 8th token
+  const uint64_t k_row = reinterpret_cast<uint64_t>(k_base) + chunk * 16;
+  const uint64_t v_row = reinterpret_cast<uint64_t>(v_base) + chunk * 16;
+
+  // Copies tile `tile` (64 tokens of K and V) into pipeline stage `stage`; zero-fills masked tokens.
+  auto issue_tile = [&](int tile, int stage) {
+    const int tile_tokens = end - (start + tile * kTileTokens);
+    const int* pages = page_s[tile % kPageRing];
+    const uint32_t k_dst = kv_s + stage * kStageBytes;
+#pragma unroll
+    for (int it = 0; it < kLoadIters; ++it) {
+      const int t = tid / C + it * (kWgmmaThreads / C);
+      const int page = pages[t >> bs_log2];
+      const bool valid = t < tile_tokens && static_cast<unsigned>(page) < static_cast<unsigned>(p.num_blocks);
+      const uint32_t page_index = valid ? static_cast<uint32_t>(page) : 0u;
+      const uint32_t off = static_cast<uint32_t>(t & bs_mask);
+      const void* ksrc =
+          reinterpret_cast<const void*>(mad_wide(page_index, k_block_bytes, mad_wide(off, k_token_bytes, k_row)));
+      const void* vsrc =
+          reinterpret_cast<const void*>(mad_wide(page_index, v_block_bytes, mad_wide(off, v_token_bytes, v_row)));
+      const uint32_t dst = k_dst + plane_offset(t, chunk);
+      cp_async_16(dst, ksrc, valid);
+      cp_async_16(dst + 2 * kPlaneBytes, vsrc, valid);
+    }
+  };
+
+  if (reads_page) page_s[(tid / pages_per_tile) % kPageRing][tid % pages_per_tile] = first_page;
+  __syncthreads();  // page_s
+  for (int s = 0; s < num_stages - 1; ++s) {
+    if (s < num_tiles) issue_tile(s, s);
+    cp_async_commit();
+  }
+
+  const int row0 = warp * 16 + (lane >> 2);  // this thread's two rows of S and O
+  const int row1 = row0 + 8;
+  float slope0 = 0.f, slope1 = 0.f;
+  if (p.alibi_slopes != nullptr) {
+    if (row0 < rows_valid) slope0 = p.alibi_slopes[head0 + row0] * kLog2e;
+    if (row1 < rows_valid) slope1 = p.alibi_slopes[head0 + row1] * kLog2e;
+  }
+  const float last_pos = static_cast<float>(seq_len - 1);
+
+  float o[64];  // 16 column tiles of 8 x (row0: 2 values, row1: 2 values)
+#pragma unroll
+  for (int i = 0; i < 64; ++i) o[i] = 0.f;
+  float m0 = -INFINITY, m1 = -INFINITY;
+  float l0 = 0.f, l1 = 0.f;
+
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    const int ahead = tile + num_stages;
+    const int ahead_page = tid < pages_per_tile ? page_of(ahead, tid) : -1;
+    const int next = tile + num_stages - 1;
+    if (next < num_tiles) issue_tile(next, next % num_stages);
+    cp_async_commit();
+    cp_async_wait_dynamic(num_stages - 1);  // this tile (and, the first time, the query) has landed
+    fence_proxy_async_shared();             // ... and is visible to wgmma
+    __syncthreads();
+
+    const int tile_start = start + tile * kTileTokens;
+    const uint32_t k_tile = kv_s + (tile % num_stages) * kStageBytes;
+    const uint32_t v_tile = k_tile + 2 * kPlaneBytes;
+
+    float s[32];  // 8 column tiles of 8 tokens
+#pragma unroll
+    for (int i = 0; i < 32; ++i) s[i] = 0.f;
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kWgmmaHead / 16; ++ks) {
+      const uint32_t step = (ks >> 2) * kPlaneBytes + (ks & 3) * 32;
+      wgmma_m64n64k16_ss<Traits::kIsBF16>(s, wgmma_desc(q_s + step, 16, 1024), wgmma_desc(k_tile + step, 16, 1024),
+                                          ks > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+
+    const int pos_base = tile_start + ((lane & 3) << 1);
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int pos = pos_base + j * 8 + (e & 1);
+        const float slope = e < 2 ? slope0 : slope1;
+        const float v = fmaf(s[4 * j + e], p.scale_log2, slope * (static_cast<float>(pos) - last_pos));
+        s[4 * j + e] = pos < end ? v : -INFINITY;
+      }
+      mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
+      mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    const float new_m0 = fmaxf(m0, mx0);
+    const float new_m1 = fmaxf(m1, mx1);
+    const float use_m0 = new_m0 == -INFINITY ? 0.f : new_m0;
+    const float use_m1 = new_m1 == -INFINITY ? 0.f : new_m1;
+    const float corr0 = fast_exp2(m0 - use_m0);
+    const float corr1 = fast_exp2(m1 - use_m1);
+    m0 = new_m0;
+    m1 = new_m1;
+    float sum0 = 0.f, sum1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      s[4 * j] = fast_exp2(s[4 * j] - use_m0);
+      s[4 * j + 1] = fast_exp2(s[4 * j + 1] - use_m0);
+      s[4 * j + 2] = fast_exp2(s[4 * j + 2] - use_m1);
+      s[4 * j + 3] = fast_exp2(s[4 * j + 3] - use_m1);
+      sum0 += s[4 * j] + s[4 * j + 1];
+      sum1 += s[4 * j + 2] + s[4 * j + 3];
+    }
+    l0 = fmaf(l0, corr0, sum0);
+    l1 = fmaf(l1, corr1, sum1);
+    if (__any_sync(0xffffffffu, corr0 != 1.f || corr1 != 1.f)) {
+#pragma unroll
+      for (int n = 0; n < 16; ++n) {
+        o[4 * n] *= corr0;
+        o[4 * n + 1] *= corr0;
+        o[4 * n + 2] *= corr1;
+        o[4 * n + 3] *= corr1;
+      }
+    }
+
+    // P (the accumulator layout of S) is the A-register layout of P V: a k-step per 16 tokens.
+    uint32_t pa[4][4];
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) pa[kk][i] = Traits::pack2(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      wgmma_m64n128k16_rs<Traits::kIsBF16>(o, pa[kk], wgmma_desc(v_tile + kk * 16 * 128, kPlaneBytes, 1024), true);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();  // the stage is refilled after the barrier below
+
+    if (tid < pages_per_tile) page_s[ahead % kPageRing][tid] = ahead_page;
+    __syncthreads();
+  }
+  cp_async_wait<0>();
+  grid_launch_dependents();
+
+  // Epilogue, from registers: each row's output (or, split, its normalised partial and log-sum-exp).
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = half == 0 ? row0 : row1;
+    if (r >= rows_valid) continue;
+    const float sum = half == 0 ? l0 : l1;
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const int head = head0 + r;
+    if (!split) {
+      T* out = static_cast<T*>(p.out) + static_cast<int64_t>(seq) * p.o_stride_seq +
+               static_cast<int64_t>(head) * p.o_stride_head;
+#pragma unroll
+      for (int n = 0; n < 16; ++n) {
+        const int col = n * 8 + ((lane & 3) << 1);
+        *reinterpret_cast<uint32_t*>(out + col) =
+            Traits::pack2(o[4 * n + 2 * half] * inv, o[4 * n + 2 * half + 1] * inv);
+      }
+    } else {
+      const int64_t row_index = (static_cast<int64_t>(seq) * p.num_heads + head) * p.num_partitions + partition;
+      float* tmp = p.tmp_out + row_index * kWgmmaHead;
+#pragma unroll
+      for (int n = 0; n < 16; ++n) {
+        const int col = n * 8 + ((lane & 3) << 1);
+        *reinterpret_cast<float2*>(tmp + col) = make_float2(o[4 * n + 2 * half] * inv, o[4 * n + 2 * half + 1] * inv);
+      }
+      if ((lane & 3) == 0) p.tmp_lse[row_index] = sum > 0.f ? (half == 0 ? m0 : m1) + log2f(sum) : -INFINITY;
+    }
+  }
+#else
+  __trap();
+#endif
+}
+
+}  // namespace tpkit
