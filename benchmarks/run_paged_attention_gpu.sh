@@ -10,14 +10,15 @@ STAGES=${STAGES:-build tests bench sanitize}
 mkdir -p "$OUT"
 T=tests/test_paged_attention_cuda.py
 # Small, varied cases for memcheck: head 120 (k-step padding), MQA 48:1 + ALiBi, fp32, head 256,
-# many sequences (no split), the cluster merge (Hopper), two-slice steps, swizzled rows with pad chunks,
-# strided query, cache writes.
+# many sequences (no split), the cluster merge (Hopper: mma and warpgroup kernels), two-slice steps,
+# swizzled rows with pad chunks, the warpgroup kernel, strided query, cache writes.
 SANITIZE_CASES=("$T::test_paged_attention_grid[float16-120-32-4-True]"
                 "$T::test_paged_attention_grid[bfloat16-128-16-48-True]"
                 "$T::test_paged_attention_grid[float32-80-32-8-False]"
                 "$T::test_paged_attention_grid[bfloat16-256-32-1-False]"
                 "$T::test_paged_attention_many_sequences_no_split[torch.bfloat16]"
-                "$T::test_paged_attention_merge_paths[256-1]"
+                "$T::test_paged_attention_merge_paths[120-256-1]"
+                "$T::test_paged_attention_merge_paths[128-256-1]"
                 "$T::test_paged_attention_two_slice_steps[120-40-2]"
                 "$T::test_paged_attention_layouts[6-1-120]"
                 "$T::test_paged_attention_wgmma[48-1-torch.bfloat16]"

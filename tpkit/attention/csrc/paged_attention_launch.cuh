@@ -114,6 +114,23 @@ cudaError_t choose_pipeline(const void* kernel, int threads, BlockBytes block_by
   return *stages == 0 || *blocks_per_sm == 0 ? cudaErrorInvalidConfiguration : cudaSuccess;
 }
 
+// Hopper: a (sequence, KV head, row group)'s partitions as one cluster, merged in shared memory, when every
+// cluster of the grid can be resident at once (clusters must fit within one GPC). Sets a->cluster_merge for
+// `kernel` with the plan's threads and shared memory.
+inline cudaError_t plan_cluster_merge(tpkit_paged_attention_args* a, const void* kernel) {
+  a->cluster_merge = 0;
+  int major = 0;
+  cudaError_t err = current_device_attribute(cudaDevAttrComputeCapabilityMajor, &major);
+  if (err != cudaSuccess) return err;
+  if (major >= 9 && a->num_partitions > 1 && a->num_partitions <= kMaxClusterSize) {
+    int clusters = 0;
+    err = kernel_max_active_clusters(kernel, a->threads, a->smem_bytes, a->num_partitions, &clusters);
+    if (err != cudaSuccess) return err;
+    a->cluster_merge = clusters >= static_cast<int64_t>(a->num_seqs) * a->num_kv_heads * a->m_groups ? 1 : 0;
+  }
+  return cudaSuccess;
+}
+
 // Whether this build has the warpgroup kernel (sm_90a) and the current device runs it (compute 9.0).
 inline cudaError_t wgmma_available(bool* available) {
   *available = false;
@@ -127,7 +144,7 @@ inline cudaError_t wgmma_available(bool* available) {
   return cudaSuccess;
 }
 
-// The warpgroup kernel (paged_attention_wgmma.cuh): up to 64 query heads of a KV head a block, no clusters.
+// The warpgroup kernel (paged_attention_wgmma.cuh): up to 64 query heads of a KV head a block.
 template <typename T>
 cudaError_t plan_wgmma(tpkit_paged_attention_args* a) {
   int num_sms = 0;
@@ -148,11 +165,10 @@ cudaError_t plan_wgmma(tpkit_paged_attention_args* a) {
   a->num_stages = stages;
   a->threads = kWgmmaThreads;
   a->smem_bytes = smem;
-  a->cluster_merge = 0;
   const int rows_written = std::min(a->group_size, kWgmmaRows);
   const double write_cost = rows_written * (kWgmmaHead + 1) * 4.0 / (2.0 * kTileTokens * kWgmmaHead * sizeof(T));
   plan_partitions(a, num_sms * blocks_per_sm, write_cost);
-  return cudaSuccess;
+  return plan_cluster_merge(a, kernel);
 }
 
 template <typename T, int HEAD>
@@ -222,18 +238,7 @@ cudaError_t plan_mma(tpkit_paged_attention_args* a) {
     if ((err = kernel_dynamic_smem_limit(kernel, &smem_limit)) != cudaSuccess) return err;
     a->smem_bytes = smem;
   }
-  // Hopper: a (sequence, KV head)'s partitions as one cluster, merged in shared memory, when every cluster
-  // of the grid can be resident at once (clusters must fit within one GPC).
-  a->cluster_merge = 0;
-  int major = 0;
-  if ((err = current_device_attribute(cudaDevAttrComputeCapabilityMajor, &major)) != cudaSuccess) return err;
-  if (major >= 9 && a->num_partitions > 1 && a->num_partitions <= kMaxClusterSize) {
-    int clusters = 0;
-    err = kernel_max_active_clusters(kernel, a->threads, smem, a->num_partitions, &clusters);
-    if (err != cudaSuccess) return err;
-    a->cluster_merge = clusters >= static_cast<int64_t>(a->num_seqs) * a->num_kv_heads * m_groups ? 1 : 0;
-  }
-  return cudaSuccess;
+  return plan_cluster_merge(a, kernel);
 }
 
 template <typename T, int HEAD>
@@ -241,8 +246,8 @@ cudaError_t launch_mma(const tpkit_paged_attention_args* a, cudaStream_t stream)
   const dim3 grid(a->num_kv_heads * a->m_groups, a->num_partitions, a->num_seqs);
   if constexpr (HEAD == kWgmmaHead) {
     if (a->wgmma) {
-      const cudaError_t err = launch_dependent(paged_attention_wgmma_kernel<T>, grid, a->threads, a->smem_bytes, 1, a,
-                                               stream);
+      const cudaError_t err = launch_dependent(paged_attention_wgmma_kernel<T>, grid, a->threads, a->smem_bytes,
+                                               a->cluster_merge ? a->num_partitions : 1, a, stream);
       if (err != cudaSuccess) return err;
       return launch_merge<T>(a, stream);
     }

@@ -68,6 +68,51 @@ struct MmaLayout {
 // (v10): <= 80 registers for head 32, <= 128 (16 warps per SM) for 64-96, <= 168 (12 warps) for 112-128.
 constexpr int max_registers(int head) { return head <= 32 ? 80 : head <= 96 ? 128 : head <= 128 ? 168 : 255; }
 
+// Split-K merge inside a thread-block cluster (Hopper), after each block (partition) has written its
+// normalised result, row_out(r) (HEAD floats), and its log-sum-exp, row_lse[r], to its own shared memory:
+// block `rank` finishes every num_partitions-th (row, 4 columns) item of the first rows_valid rows, reading
+// every partition's values from that partition's shared memory, and stores it to out_row(r). No float32
+// partials in global memory, no second kernel. Every thread of every block of the cluster must call it.
+template <int HEAD, typename RowOut, typename OutRow>
+__device__ __forceinline__ void merge_in_cluster(int num_parts, int rows_valid, const float* row_lse,
+                                                 RowOut row_out, OutRow out_row) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // clusters: Hopper and newer (the plan never asks before)
+  constexpr int kVecs = HEAD / 4;
+  cluster_sync();  // every partition's row_out and row_lse are written
+  const int rank = cluster_rank();
+  for (int i = rank * blockDim.x + threadIdx.x; i < rows_valid * kVecs; i += num_parts * blockDim.x) {
+    const int r = i / kVecs;
+    const int d = (i - r * kVecs) * 4;
+    const uint32_t lse_addr = smem_addr(row_lse + r);
+    const uint32_t o_addr = smem_addr(row_out(r) + d);
+    float mx = -INFINITY;
+#pragma unroll
+    for (int c = 0; c < kMaxClusterSize; ++c) {
+      if (c < num_parts) mx = fmaxf(mx, cluster_load(cluster_map(lse_addr, c)));
+    }
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    float sum = 0.f;
+#pragma unroll
+    for (int c = 0; c < kMaxClusterSize; ++c) {
+      if (c < num_parts) {
+        // Partitions past the end, and rows with nothing attended, weigh 0 (their results are zeros).
+        const float lse = cluster_load(cluster_map(lse_addr, c));
+        const float4 x = cluster_load4(cluster_map(o_addr, c));
+        const float w = lse == -INFINITY ? 0.f : fast_exp2(lse - mx);
+        acc.x = fmaf(w, x.x, acc.x);
+        acc.y = fmaf(w, x.y, acc.y);
+        acc.z = fmaf(w, x.z, acc.z);
+        acc.w = fmaf(w, x.w, acc.w);
+        sum += w;
+      }
+    }
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    store4(out_row(r) + d, make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
+  }
+  cluster_sync();  // no block exits while another still reads its shared memory
+#endif
+}
+
 // SLICES: 16-token slices a warp takes at a time (1 or 2; the plan's `slices`). Two give twice the independent
 // mma chains in flight and one softmax update per 32 tokens, for the large groups that are bound by issue
 // latency; a kernel of its own, so the one-slice kernel keeps its registers and code. SWIZZLED: the
@@ -460,46 +505,7 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
       if (d == 0) p.tmp_lse[row_index] = sum > 0.f ? row_m[r] + log2f(sum) : -INFINITY;
     }
   }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // clusters: Hopper and newer (the plan never asks before)
-  if (!cluster) return;
-
-  // Split-K merge inside the cluster: block `rank` finishes every num_partitions-th (row, 4 columns) item,
-  // reading each partition's result and log-sum-exp from that partition's shared memory. No float32
-  // partials in global memory, no second kernel.
-  cluster_sync();  // every partition's row_out and row_lse are written
-  const int rank = cluster_rank();
-  const int num_parts = p.num_partitions;
-  for (int i = rank * blockDim.x + tid; i < rows_valid * kVecs; i += num_parts * blockDim.x) {
-    const int r = i / kVecs;
-    const int d = (i - r * kVecs) * 4;
-    const uint32_t lse_addr = smem_addr(row_lse + r);
-    const uint32_t o_addr = smem_addr(row_out(r) + d);
-    float mx = -INFINITY;
-#pragma unroll
-    for (int c = 0; c < kMaxClusterSize; ++c) {
-      if (c < num_parts) mx = fmaxf(mx, cluster_load(cluster_map(lse_addr, c)));
-    }
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    float sum = 0.f;
-#pragma unroll
-    for (int c = 0; c < kMaxClusterSize; ++c) {
-      if (c < num_parts) {
-        // Partitions past the end, and rows with nothing attended, weigh 0 (their results are zeros).
-        const float lse = cluster_load(cluster_map(lse_addr, c));
-        const float4 x = cluster_load4(cluster_map(o_addr, c));
-        const float w = lse == -INFINITY ? 0.f : fast_exp2(lse - mx);
-        acc.x = fmaf(w, x.x, acc.x);
-        acc.y = fmaf(w, x.y, acc.y);
-        acc.z = fmaf(w, x.z, acc.z);
-        acc.w = fmaf(w, x.w, acc.w);
-        sum += w;
-      }
-    }
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    store4(out_row(r) + d, make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
-  }
-  cluster_sync();  // no block exits while another still reads its shared memory
-#endif
+  if (cluster) merge_in_cluster<HEAD>(p.num_partitions, rows_valid, row_lse, row_out, out_row);
 }
 
 }  // namespace tpkit

@@ -7,7 +7,9 @@
 // here each K/V byte is read from shared memory once per warpgroup. Warp w owns rows 16w .. 16w + 15 of
 // S and O whole, so its online softmax needs no other warp, and the epilogue writes straight from
 // registers. K/V pages stream through the mma kernel's cp.async pipeline of 64-token tiles, into the
-// 128-byte-swizzled planes of wgmma.cuh; the query the same, once.
+// 128-byte-swizzled planes of wgmma.cuh; the query the same, once. Split sequences merge their partitions
+// as the mma kernel does: in a thread-block cluster where the plan finds every cluster resident at once,
+// else in the merge kernel.
 #pragma once
 
 #include <math.h>
@@ -24,6 +26,7 @@ constexpr int kWgmmaHead = 128;
 constexpr int kWgmmaRows = 64;      // query rows a block's products take (the group, padded)
 constexpr int kWgmmaThreads = 128;  // one warpgroup
 constexpr int kPlaneBytes = 64 * 128;  // 64 rows x 128 bytes: 64 columns of a 64-row operand
+constexpr int kPartialStride = kWgmmaHead + 4;  // floats a row of the cluster merge's partial results
 // Q, then each stage's K and V (2 planes each); the base rounded up to 1024 bytes at run time.
 template <typename T>
 constexpr int wgmma_smem_bytes(int stages) {
@@ -44,6 +47,7 @@ __global__ void __launch_bounds__(kWgmmaThreads) paged_attention_wgmma_kernel(co
   constexpr int C = kWgmmaHead / 8;                               // 16-byte chunks a row
   constexpr int kLoadIters = kTileTokens * C / kWgmmaThreads;     // copies a thread issues per tile and operand
   constexpr uint32_t kStageBytes = 2 * 2 * kPlaneBytes;           // K, then V
+  static_assert(kWgmmaRows * kPartialStride * 4 <= 2 * kStageBytes, "the cluster merge's partials fit 2 stages");
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // Swizzle atoms start on 1024-byte boundaries (descriptor base offset 0).
@@ -99,7 +103,9 @@ __global__ void __launch_bounds__(kWgmmaThreads) paged_attention_wgmma_kernel(co
   const int seq_len = min(seq_len_read, capacity);
   const int end = min(start + p.partition_size, seq_len);
   const bool split = p.num_partitions > 1;
-  if (split && start >= seq_len) {
+  const bool cluster = p.cluster_merge != 0;
+  // The merge kernel only reads partitions that hold tokens; a cluster's blocks must all reach its barriers.
+  if (split && !cluster && start >= seq_len) {
     cp_async_wait<0>();
     return;
   }
@@ -250,10 +256,17 @@ __global__ void __launch_bounds__(kWgmmaThreads) paged_attention_wgmma_kernel(co
     if (tid < pages_per_tile) page_s[ahead % kPageRing][tid] = ahead_page;
     __syncthreads();
   }
-  cp_async_wait<0>();
+  cp_async_wait<0>();  // trailing (empty) groups; the stage buffers become the cluster merge's
   grid_launch_dependents();
 
-  // Epilogue, from registers: each row's output (or, split, its normalised partial and log-sum-exp).
+  // Epilogue, from registers: each row's output (or, split, its normalised partial and log-sum-exp: in
+  // this block's shared memory for the cluster merge, else in global memory for the merge kernel).
+  __shared__ float row_lse[kWgmmaRows];
+  float* partial = reinterpret_cast<float*>(smem_raw + (kv_s - raw));  // [kWgmmaRows][kPartialStride]
+  auto out_row = [&](int r) {
+    return static_cast<T*>(p.out) + static_cast<int64_t>(seq) * p.o_stride_seq +
+           static_cast<int64_t>(head0 + r) * p.o_stride_head;
+  };
   l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
   l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
   l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
@@ -264,16 +277,24 @@ __global__ void __launch_bounds__(kWgmmaThreads) paged_attention_wgmma_kernel(co
     if (r >= rows_valid) continue;
     const float sum = half == 0 ? l0 : l1;
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const float lse = sum > 0.f ? (half == 0 ? m0 : m1) + log2f(sum) : -INFINITY;
     const int head = head0 + r;
     if (!split) {
-      T* out = static_cast<T*>(p.out) + static_cast<int64_t>(seq) * p.o_stride_seq +
-               static_cast<int64_t>(head) * p.o_stride_head;
+      T* out = out_row(r);
 #pragma unroll
       for (int n = 0; n < 16; ++n) {
         const int col = n * 8 + ((lane & 3) << 1);
         *reinterpret_cast<uint32_t*>(out + col) =
             Traits::pack2(o[4 * n + 2 * half] * inv, o[4 * n + 2 * half + 1] * inv);
       }
+    } else if (cluster) {
+#pragma unroll
+      for (int n = 0; n < 16; ++n) {
+        const int col = n * 8 + ((lane & 3) << 1);
+        *reinterpret_cast<float2*>(partial + r * kPartialStride + col) =
+            make_float2(o[4 * n + 2 * half] * inv, o[4 * n + 2 * half + 1] * inv);
+      }
+      if ((lane & 3) == 0) row_lse[r] = lse;
     } else {
       const int64_t row_index = (static_cast<int64_t>(seq) * p.num_heads + head) * p.num_partitions + partition;
       float* tmp = p.tmp_out + row_index * kWgmmaHead;
@@ -282,8 +303,12 @@ __global__ void __launch_bounds__(kWgmmaThreads) paged_attention_wgmma_kernel(co
         const int col = n * 8 + ((lane & 3) << 1);
         *reinterpret_cast<float2*>(tmp + col) = make_float2(o[4 * n + 2 * half] * inv, o[4 * n + 2 * half + 1] * inv);
       }
-      if ((lane & 3) == 0) p.tmp_lse[row_index] = sum > 0.f ? (half == 0 ? m0 : m1) + log2f(sum) : -INFINITY;
+      if ((lane & 3) == 0) p.tmp_lse[row_index] = lse;
     }
+  }
+  if (cluster) {
+    merge_in_cluster<kWgmmaHead>(p.num_partitions, rows_valid, row_lse,
+                                 [&](int r) { return partial + r * kPartialStride; }, out_row);
   }
 #else
   __trap();
