@@ -78,6 +78,10 @@ def make_checkpoint(model_class: type[PreTrainedModel], config: object, path: st
     model.eval()
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    if hasattr(model, "should_save_on_this_rank"):
+        # transformers 5 writes only on rank 0 of an initialised torch.distributed world; under torchrun
+        # every rank makes its own checkpoint in its own directory.
+        model.should_save_on_this_rank = lambda is_main_process: is_main_process
     model.save_pretrained(path, **({} if max_shard_size is None else {"max_shard_size": max_shard_size}))
     if not (path / "generation_config.json").is_file():
         model.generation_config.save_pretrained(path)

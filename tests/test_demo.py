@@ -29,6 +29,11 @@ def _cpu_env() -> dict[str, str]:
     return env
 
 
+# Under torchrun every rank would start the same CPU ranks at once: the plain pytest run covers these.
+_SPAWNS_CPU_RANKS = pytest.mark.skipif(under_torchrun(), reason="spawns its own CPU ranks; once is enough")
+
+
+@_SPAWNS_CPU_RANKS
 def test_demo_runs_sharded_and_matches_transformers():
     result = subprocess.run([sys.executable, "-m", "tpkit.demo"], cwd=ROOT, env=_cpu_env(),
                             capture_output=True, text=True, timeout=120)
@@ -73,6 +78,7 @@ def test_demo_model_and_prompt_use_the_checkpoint_and_its_tokenizer(tmp_path, ca
     assert "tp_size 1 on cpu" in out and "'w5 w6 w7' -> 'w" in out and "'w9' -> 'w" in out
 
 
+@_SPAWNS_CPU_RANKS
 def test_custom_model_example_runs_on_two_cpu_ranks():
     result = subprocess.run([sys.executable, "examples/custom_model.py"], cwd=ROOT, env=_cpu_env(),
                             capture_output=True, text=True, timeout=120)

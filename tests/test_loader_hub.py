@@ -22,6 +22,10 @@ from tpkit.loaders import CheckpointError, CheckpointNotFoundError, iter_weights
 from tpkit.loaders import checkpoint as checkpoint_module
 
 REPO_ID = "tpkit-test/tiny-llama"
+# resolve_checkpoint of a model id in a world of several ranks fetches once and shares it (the last test);
+# the tests of what one process fetches run in plain pytest (under torchrun, a world of one).
+_ONE_RANK = pytest.mark.skipif(int(os.environ.get("WORLD_SIZE", "1")) > 1,
+                               reason="what one process fetches; a world of several ranks shares one fetch")
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +87,7 @@ def test_bad_local_paths(tmp_path, no_network):
         resolve_checkpoint(3)
 
 
+@_ONE_RANK
 def test_offline_from_the_hub_cache(source, tmp_path, monkeypatch, no_network):
     snapshot = _make_hub_cache(tmp_path / "hf" / "hub", REPO_ID, source)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -101,6 +106,7 @@ def test_offline_from_the_hub_cache(source, tmp_path, monkeypatch, no_network):
     assert resolve_checkpoint(REPO_ID) == other.resolve()
 
 
+@_ONE_RANK
 def test_offline_and_not_cached(tmp_path, monkeypatch, no_network):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
@@ -144,6 +150,7 @@ CONFIGS = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer
            "special_tokens_map.json"]
 
 
+@_ONE_RANK
 @pytest.mark.parametrize(("listing", "index", "fetched"), [
     (CONFIGS + ["model.safetensors", "pytorch_model.bin", "README.md", ".gitattributes",
                 "original/consolidated.safetensors", "onnx/model.onnx"],
@@ -167,6 +174,7 @@ def test_online_fetches_only_what_loading_needs(tmp_path, monkeypatch, listing, 
     assert hub.allow_patterns == ["*.json"]
 
 
+@_ONE_RANK
 def test_online_repo_without_weights(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     _FakeHub(["config.json", "README.md"], None, tmp_path).install(monkeypatch)
@@ -176,6 +184,7 @@ def test_online_repo_without_weights(tmp_path, monkeypatch):
         resolve_checkpoint("org/model", cache_dir=tmp_path)
 
 
+@_ONE_RANK
 def test_unreachable_hub_falls_back_to_the_cache(source, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from checkpoints import make_bart_checkpoint, make_gpt_bigcode_checkpoint, make_llama_checkpoint
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -563,13 +564,15 @@ def test_bad_thread_counts(monkeypatch):
 # --- progress bar and log line ------------------------------------------------------------------------------
 
 def test_progress_bar_and_log_line(checkpoints, caplog, capsys, monkeypatch):
+    """The log line names this process's rank; the bar shows on rank 0 only (under torchrun, the others)."""
     path, reference = checkpoints["llama_sharded"]
     model = LlamaForCausalLM(reference.config)
+    rank = dist.get_rank() if dist.is_initialized() else 0
     with caplog.at_level(logging.INFO, logger="tpkit.loaders"):
         load_weights(model, iter_weights(path), progress=True)
-    assert re.search(r"rank 0: loaded \d+ tensors from \d+ files \(\d+ thread\(s\)\): [\d.]+ GB read in "
-                     r"[\d.]+ s \([\d.]+ GB/s\)", caplog.text)
-    assert "Loading checkpoint" in capsys.readouterr().err
+    assert re.search(rf"rank {rank}: loaded \d+ tensors from \d+ files \(\d+ thread\(s\)\): [\d.]+ GB read "
+                     r"in [\d.]+ s \([\d.]+ GB/s\)", caplog.text)
+    assert ("Loading checkpoint" in capsys.readouterr().err) == (rank == 0)
     monkeypatch.setenv("TPKIT_DISABLE_PROGRESS", "1")
     load_weights(model, iter_weights(path))
     assert "Loading checkpoint" not in capsys.readouterr().err
