@@ -39,6 +39,14 @@ fewer where there are fewer CPUs; ``TPKIT_LOAD_THREADS`` sets it). Progress bars
     python benchmarks/bench_loader.py              # ~2 GB, tp_size 1 and 2, warm page cache
     python benchmarks/bench_loader.py --cold       # the page cache dropped before each contender
     python benchmarks/bench_loader.py --small      # ~100 MB, a quick check (writes no results file)
+    python3 benchmarks/bench_loader.py --device cuda --tp-sizes 1,2   # into GPUs: rank r on cuda:r, NCCL
+
+With ``--device cuda`` every contender loads onto the GPU (rank r of tp_size N onto ``cuda:r``, over
+NCCL): ``load_file(file, device=...)`` then ``load_state_dict``, ``from_pretrained(..., device_map=...)``,
+and tpkit's two into models on that GPU. There every loader copies each byte to the device, so call and
+resident times are the same (the call ends with a synchronize). The memory columns add the GPU's peak
+allocated bytes during loading (above what the model held before it) over the shard, next to the host's
+peak RSS.
 """
 
 from __future__ import annotations
@@ -81,7 +89,7 @@ MAX_SHARD_BYTES = 512 * 2**20
 # transformers renamed torch_dtype to dtype in 4.56.
 DTYPE_ARG = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
-RESULTS = Path(__file__).parent / "results" / "loader_cpu.json"
+RESULTS = Path(__file__).parent / "results"
 LOAD_FILE = "load_file + load_state_dict"
 FROM_PRETRAINED = f"transformers {transformers.__version__} from_pretrained"
 TPKIT_FROM_PRETRAINED = "tpkit from_pretrained, tp_size 1"
@@ -137,63 +145,64 @@ def make_checkpoint(path: Path, config: LlamaConfig, seed: int = 0) -> int:
 
 # --- contenders, each loading once in its own process
 
-def job_load_file(path: str) -> dict[str, Any]:
+def job_load_file(path: str, device: str) -> dict[str, Any]:
     build_start = time.perf_counter()
     config = LlamaConfig.from_pretrained(path)
     with torch.device("meta"):
         model = HFLlamaForCausalLM(config).to(torch.bfloat16)
-    model.to_empty(device="cpu")
+    model.to_empty(device=device)
     with torch.no_grad():
         # Resident, like the tpkit model after its initialisation: first-touch page faults are no part of
         # loading for either.
         for param in model.parameters():
             param.zero_()
     build = time.perf_counter() - build_start
-    start = _start_loading()
+    start = _start_loading(device)
     loaded: set[str] = set()
     nbytes = 0
     for file in sorted(Path(path).glob("*.safetensors")):
-        state = load_file(file)
+        state = load_file(file, device=device)
         model.load_state_dict(state, strict=False)
         loaded.update(state)
         nbytes += sum(t.numel() * t.element_size() for t in state.values())
         del state
-    call = time.perf_counter() - start
+    call = _end_call(start, device)
     assert loaded == set(model.state_dict()) - {k for k, _ in model.named_buffers()}, "keys left unloaded"
     return dict(contender=LOAD_FILE, bytes=nbytes, build=build, **_after_call(model, call))
 
 
-def job_from_pretrained(path: str) -> dict[str, Any]:
-    start = _start_loading()
-    model = HFLlamaForCausalLM.from_pretrained(path, **{DTYPE_ARG: torch.bfloat16})
-    call = time.perf_counter() - start
+def job_from_pretrained(path: str, device: str) -> dict[str, Any]:
+    start = _start_loading(device)
+    on_gpu = {} if device == "cpu" else {"device_map": device}
+    model = HFLlamaForCausalLM.from_pretrained(path, **{DTYPE_ARG: torch.bfloat16}, **on_gpu)
+    call = _end_call(start, device)
     return dict(contender=FROM_PRETRAINED, bytes=_param_bytes(model), build=None, **_after_call(model, call))
 
 
-def job_tpkit(path: str, tp_size: int) -> dict[str, Any]:
+def job_tpkit(path: str, device: str, tp_size: int) -> dict[str, Any]:
     init_tensor_parallel(tp_size)
     config = json.loads((Path(path) / "config.json").read_text())
     build_start = time.perf_counter()
     # Initialised, like load_file's model: the parameters' pages are in memory before the clock starts.
-    model = LlamaForCausalLM(config, dtype=torch.bfloat16, device="cpu")
+    model = LlamaForCausalLM(config, dtype=torch.bfloat16, device=device)
     build = time.perf_counter() - build_start
     if dist.is_initialized():
         dist.barrier()
     read_before = bytes_read()
-    start = _start_loading()
+    start = _start_loading(device)
     model.load_weights(iter_weights(resolve_checkpoint(path)))
-    call = time.perf_counter() - start
+    call = _end_call(start, device)
     result = dict(contender=f"tpkit tp_size {tp_size}", bytes=bytes_read() - read_before, build=build,
                   **_after_call(model, call))
     destroy_tensor_parallel()
     return result
 
 
-def job_tpkit_from_pretrained(path: str) -> dict[str, Any]:
+def job_tpkit_from_pretrained(path: str, device: str) -> dict[str, Any]:
     read_before = bytes_read()
-    start = _start_loading()
-    model = from_pretrained(path, dtype=torch.bfloat16, device="cpu")
-    call = time.perf_counter() - start
+    start = _start_loading(device)
+    model = from_pretrained(path, dtype=torch.bfloat16, device=device)
+    call = _end_call(start, device)
     return dict(contender=TPKIT_FROM_PRETRAINED, bytes=bytes_read() - read_before, build=None,
                 **_after_call(model, call))
 
@@ -210,11 +219,13 @@ def read_every_byte(model: torch.nn.Module) -> None:
 def _after_call(model: torch.nn.Module, call: float) -> dict[str, Any]:
     """After the timed call: RSS then, the pass over every byte (timed), then where the parameters live."""
     rss_at_return = _status_bytes("VmRSS")
+    device = next(model.parameters()).device
     pass_start = time.perf_counter()
     read_every_byte(model)
-    resident = call + time.perf_counter() - pass_start
+    resident = call + _end_call(pass_start, str(device))
+    peak_gpu = (torch.cuda.max_memory_allocated(device) - _gpu_baseline) if device.type == "cuda" else None
     return dict(call=call, resident=resident, rss_at_return=rss_at_return, shard=_param_bytes(model),
-                in_file_maps=_bytes_in_file_maps(model))
+                in_file_maps=_bytes_in_file_maps(model), peak_gpu=peak_gpu)
 
 
 def _param_bytes(model: torch.nn.Module) -> int:
@@ -242,28 +253,50 @@ def _status_bytes(field: str) -> int:
     raise KeyError(field)
 
 
-def _start_loading() -> float:
-    """Resets the kernel's peak-RSS mark (where allowed) so the peak is the loading's; returns the clock."""
+_gpu_baseline = 0  # bytes allocated on the GPU when loading started (the model built before, if any)
+
+
+def _start_loading(device: str) -> float:
+    """Resets the kernel's peak-RSS mark (where allowed) and the GPU's peak-memory mark, so the peaks are
+    the loading's; returns the clock."""
+    global _gpu_baseline
     try:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
         pass
+    if device != "cpu":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        _gpu_baseline = torch.cuda.memory_allocated(device)
     return time.perf_counter()
 
 
-def _worker(job: Callable[..., dict[str, Any]], args: tuple, rank: int, world_size: int, threads: int,
-            port: int, results: mp.Queue) -> None:
+def _end_call(start: float, device: str) -> float:
+    """Seconds since ``start`` once the device has finished what was queued (copies to a GPU can be
+    asynchronous)."""
+    if device != "cpu":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def _worker(job: Callable[..., dict[str, Any]], path: str, device_type: str, extra: tuple, rank: int,
+            world_size: int, threads: int, port: int, results: mp.Queue) -> None:
     try:
         logging.basicConfig(level=logging.WARNING, format="    [%(name)s] %(message)s")
         transformers.utils.logging.disable_progress_bar()
         torch.set_num_threads(threads)
+        device = "cpu"
+        if device_type == "cuda":
+            torch.cuda.set_device(rank)
+            torch.cuda.init()
+            device = f"cuda:{rank}"
         if world_size > 1:
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                               WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-            dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                    timeout=datetime.timedelta(minutes=10))
+            dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=rank,
+                                    world_size=world_size, timeout=datetime.timedelta(minutes=10))
         baseline = _status_bytes("VmRSS")
-        result = job(*args)
+        result = job(path, device, *extra)
         result.update(rank=rank, peak_rss=_status_bytes("VmHWM") - baseline,
                       rss_at_return=result["rss_at_return"] - baseline)
         results.put(result)
@@ -274,15 +307,17 @@ def _worker(job: Callable[..., dict[str, Any]], args: tuple, rank: int, world_si
             dist.destroy_process_group()
 
 
-def run_job(job: Callable[..., dict[str, Any]], *args: Any, world_size: int = 1,
-            threads: int = 1) -> list[dict[str, Any]]:
+def run_job(job: Callable[..., dict[str, Any]], path: str, device_type: str, *extra: Any,
+            world_size: int = 1, threads: int = 1) -> list[dict[str, Any]]:
+    """Runs ``job(path, device, *extra)`` in ``world_size`` fresh processes (rank r on ``cuda:r`` for
+    device_type cuda) and returns their results by rank."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=_worker, args=(job, args, r, world_size, threads, port, results))
-             for r in range(world_size)]
+    procs = [ctx.Process(target=_worker, args=(job, path, device_type, extra, r, world_size, threads, port,
+                                               results)) for r in range(world_size)]
     for p in procs:
         p.start()
     outputs = [results.get(timeout=1800) for _ in procs]
@@ -316,6 +351,7 @@ def machine() -> dict[str, Any]:
     mem_kib = next(int(line.split()[1]) for line in meminfo if line.startswith("MemTotal:"))
     return dict(cpu=model_name, cores=os.cpu_count(), usable_cores=len(os.sched_getaffinity(0)),
                 ram_gib=round(mem_kib / 2**20, 1), kernel=platform.release(),
+                gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
                 python=platform.python_version(), torch=torch.__version__,
                 safetensors=safetensors.__version__, transformers=transformers.__version__)
 
@@ -356,6 +392,10 @@ def goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             ratio = r["peak_rss"] / r["shard"]
             out.append(dict(goal=f"{r['contender']} rank {r['rank']} peak RSS / shard", measured=ratio,
                             target=1.2, counts=True, met=ratio < 1.2))
+            if r["peak_gpu"] is not None:
+                ratio = r["peak_gpu"] / r["shard"]
+                out.append(dict(goal=f"{r['contender']} rank {r['rank']} peak GPU memory / shard",
+                                measured=ratio, target=1.2, counts=True, met=ratio < 1.2))
     return out
 
 
@@ -363,9 +403,10 @@ def report(rows: list[dict[str, Any]], goal_rows: list[dict[str, Any]], info: di
     m = info["machine"]
     cache = ("cold: the page cache synced and dropped before each contender" if info["cold"] else
              "warm: every checkpoint file read just before each contender")
+    gpu = f"; loading into {m['gpu']} (rank r into cuda:r)" if info["device"] == "cuda" else ""
     lines = [f"machine: {m['cpu']}, {m['cores']} CPU cores ({m['usable_cores']} usable), {m['ram_gib']} GiB "
              f"RAM, Linux {m['kernel']}; Python {m['python']}, torch {m['torch']}, safetensors "
-             f"{m['safetensors']}, transformers {m['transformers']}",
+             f"{m['safetensors']}, transformers {m['transformers']}{gpu}",
              f"checkpoint: {info['checkpoint_bytes'] / GB:.2f} GB of bf16 tensors in {info['files']} files; "
              f"page cache {cache}",
              f"{info['threads']} torch thread(s) in every process (tpkit's loader: "
@@ -374,13 +415,15 @@ def report(rows: list[dict[str, Any]], goal_rows: list[dict[str, Any]], info: di
              "resident = call + one pass reading every parameter byte (the goals use it)",
              "",
              "| contender | rank | call s | resident s | GB read | GB/s (resident) | in file maps GB | "
-             "RSS at return GB | peak RSS GB | shard GB | peak RSS / shard |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "RSS at return GB | peak RSS GB | shard GB | peak RSS / shard | peak GPU / shard |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        gpu_ratio = "-" if r["peak_gpu"] is None else f"{r['peak_gpu'] / r['shard']:.2f}"
         lines.append(f"| {r['contender']} | {r['rank']} | {r['call']:.3f} | {r['resident']:.3f} | "
                      f"{r['bytes'] / GB:.3f} | {r['bytes'] / GB / r['resident']:.2f} | "
                      f"{r['in_file_maps'] / GB:.3f} | {r['rss_at_return'] / GB:.3f} | "
-                     f"{r['peak_rss'] / GB:.3f} | {r['shard'] / GB:.3f} | {r['peak_rss'] / r['shard']:.2f} |")
+                     f"{r['peak_rss'] / GB:.3f} | {r['shard'] / GB:.3f} | {r['peak_rss'] / r['shard']:.2f} | "
+                     f"{gpu_ratio} |")
     lines.append("")
     for r in rows:
         rounds = ", ".join(f"{t['call']:.3f}/{t['resident']:.3f}" for t in r["rounds"])
@@ -388,7 +431,7 @@ def report(rows: list[dict[str, Any]], goal_rows: list[dict[str, Any]], info: di
         lines.append(f"- {r['contender']} rank {r['rank']}: rounds (call/resident s) {rounds}{built}")
     lines += ["", "| goal | measured | target | met |", "|---|---|---|---|"]
     for g in goal_rows:
-        target = f"< {g['target']:.2f}x" if "RSS" in g["goal"] else f">= {g['target']:.2f}x"
+        target = f"< {g['target']:.2f}x" if "peak" in g["goal"] else f">= {g['target']:.2f}x"
         met = ("yes" if g["met"] else "NO") if g["counts"] else "(information)"
         lines.append(f"| {g['goal']} | {g['measured']:.2f}x | {target} | {met} |")
     for name in sorted({r["contender"] for r in rows if r["contender"].startswith("tpkit")}):
@@ -411,15 +454,25 @@ def main() -> None:
                         help="rounds of fresh processes, one per contender; the best counts (default 3)")
     parser.add_argument("--cold", action="store_true",
                         help="sync and drop the page cache before each contender (default: warm cache)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the parameters live: cpu (default), or cuda (rank r on cuda:r, NCCL)")
     parser.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temp dir)")
     parser.add_argument("--json", default=None,
-                        help="where to write the rows as JSON (default benchmarks/results/loader_cpu.json; "
-                        "none with --small)")
+                        help="where to write the rows as JSON (default benchmarks/results/"
+                        "loader_<device>.json; none with --small)")
     args = parser.parse_args()
     if args.cold and not os.access(DROP_CACHES, os.W_OK):
         parser.error(f"--cold needs write access to {DROP_CACHES} (root)")
+    tp_sizes = [int(t) for t in args.tp_sizes.split(",")]
+    if args.device == "cuda" and max(tp_sizes) > torch.cuda.device_count():
+        parser.error(f"--tp-sizes: tp_size {max(tp_sizes)} needs as many GPUs, found "
+                     f"{torch.cuda.device_count()}")
+    # NVLink multicast stays off in every rank (see the device tool's README for why).
+    for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        os.environ.setdefault(name, "0" if name == "NCCL_NVLS_ENABLE" else "1")
     os.environ.setdefault("TPKIT_DISABLE_PROGRESS", "1")
-    json_path = Path(args.json) if args.json else (None if args.small else RESULTS)
+    json_path = Path(args.json) if args.json else (None if args.small else
+                                                   RESULTS / f"loader_{args.device}.json")
     config = llama_config(0.1 if args.small else args.size_gb, SMALL_SHAPE if args.small else FULL_SHAPE)
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench_loader_") as tmp:
         path = Path(tmp)
@@ -428,23 +481,22 @@ def main() -> None:
         files = len(list(path.glob("*.safetensors")))
         print(f"made {total / GB:.2f} GB in {files} files ({config.num_hidden_layers} layers, hidden "
               f"{config.hidden_size}) in {time.perf_counter() - start:.1f} s", flush=True)
-        tp_sizes = [int(t) for t in args.tp_sizes.split(",")]
         jobs: list[tuple[Callable[..., dict[str, Any]], tuple, int]] = [
-            (job_load_file, (str(path),), 1), (job_from_pretrained, (str(path),), 1),
-            (job_tpkit_from_pretrained, (str(path),), 1),
-            *((job_tpkit, (str(path), tp_size), tp_size) for tp_size in tp_sizes)]
+            (job_load_file, (), 1), (job_from_pretrained, (), 1), (job_tpkit_from_pretrained, (), 1),
+            *((job_tpkit, (tp_size,), tp_size) for tp_size in tp_sizes)]
         rounds = []
         for _ in range(args.rounds):
             # Contenders take turns, so that a busy spell on a shared machine hits all of them alike.
             rows = []
             for job, job_args, world_size in jobs:
                 prepare_page_cache(path, args.cold)
-                rows += run_job(job, *job_args, world_size=world_size, threads=args.threads)
+                rows += run_job(job, str(path), args.device, *job_args, world_size=world_size,
+                                threads=args.threads)
             rounds.append(rows)
     rows = best_of_rounds(rounds)
     goal_rows = goals(rows)
-    info = dict(machine=machine(), cold=args.cold, threads=args.threads, rounds=args.rounds,
-                checkpoint_bytes=total, files=files)
+    info = dict(machine=machine(), device=args.device, cold=args.cold, threads=args.threads,
+                rounds=args.rounds, checkpoint_bytes=total, files=files)
     print(report(rows, goal_rows, info))
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
