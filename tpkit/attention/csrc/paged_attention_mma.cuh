@@ -68,6 +68,58 @@ struct MmaLayout {
 // (v10): <= 80 registers for head 32, <= 128 (16 warps per SM) for 64-96, <= 168 (12 warps) for 112-128.
 constexpr int max_registers(int head) { return head <= 32 ? 80 : head <= 96 ? 128 : head <= 128 ? 168 : 255; }
 
+// One step of the online softmax for a thread's two rows of S, held as NJ 8-column tiles in the mma
+// accumulator layout (elements 0 and 1 of a tile: row0 at columns 2c and 2c + 1 of the tile, c = lane & 3;
+// elements 2 and 3: row1, the same columns), which wgmma's m64 accumulators share warp by warp. Scores
+// go to the log2 domain with ALiBi (slopes already times log2 e), positions at or past `end` are masked,
+// then each becomes exp2(score - the row's running max) in place, and the running max (m) and sum (l) are
+// updated. pos_base: the position of this thread's first column. Returns the factors (row0, row1) that the
+// rows' output accumulators must be multiplied by: exactly 1 once the max stops moving.
+template <int NJ>
+__device__ __forceinline__ float2 online_softmax_step(float (&s)[NJ][4], int pos_base, int end, float scale_log2,
+                                                      float slope0, float slope1, float last_pos, float& m0,
+                                                      float& m1, float& l0, float& l1) {
+  float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int pos = pos_base + j * 8 + (e & 1);
+      const float slope = e < 2 ? slope0 : slope1;
+      const float v = fmaf(s[j][e], scale_log2, slope * (static_cast<float>(pos) - last_pos));
+      s[j][e] = pos < end ? v : -INFINITY;
+    }
+    mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
+    mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
+  }
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+  const float new_m0 = fmaxf(m0, mx0);
+  const float new_m1 = fmaxf(m1, mx1);
+  // A row with no unmasked token yet keeps -inf; subtract 0 then, not -inf (inf - inf = NaN).
+  const float use_m0 = new_m0 == -INFINITY ? 0.f : new_m0;
+  const float use_m1 = new_m1 == -INFINITY ? 0.f : new_m1;
+  const float corr0 = fast_exp2(m0 - use_m0);
+  const float corr1 = fast_exp2(m1 - use_m1);
+  m0 = new_m0;
+  m1 = new_m1;
+  float sum0 = 0.f, sum1 = 0.f;
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    s[j][0] = fast_exp2(s[j][0] - use_m0);
+    s[j][1] = fast_exp2(s[j][1] - use_m0);
+    s[j][2] = fast_exp2(s[j][2] - use_m1);
+    s[j][3] = fast_exp2(s[j][3] - use_m1);
+    sum0 += s[j][0] + s[j][1];
+    sum1 += s[j][2] + s[j][3];
+  }
+  l0 = fmaf(l0, corr0, sum0);
+  l1 = fmaf(l1, corr1, sum1);
+  return make_float2(corr0, corr1);
+}
+
 // Split-K merge inside a thread-block cluster (Hopper), after each block (partition) has written its
 // normalised result, row_out(r) (HEAD floats), and its log-sum-exp, row_lse[r], to its own shared memory:
 // block `rank` finishes every num_partitions-th (row, 4 columns) item of the first rows_valid rows, reading
@@ -339,46 +391,9 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
           }
         }
 
-        // Scores in the log2 domain, ALiBi, mask past the partition's end.
-        const int pos_base = tile_start + tok0 + ((lane & 3) << 1);
-        float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-        for (int j = 0; j < NJ; ++j) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int pos = pos_base + j * 8 + (e & 1);
-            const float slope = e < 2 ? slope0 : slope1;
-            const float v = fmaf(s[j][e], p.scale_log2, slope * (static_cast<float>(pos) - last_pos));
-            s[j][e] = pos < end ? v : -INFINITY;
-          }
-          mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
-          mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
-        }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        const float new_m0 = fmaxf(m0, mx0);
-        const float new_m1 = fmaxf(m1, mx1);
-        // A row with no unmasked token yet keeps -inf; subtract 0 then, not -inf (inf - inf = NaN).
-        const float use_m0 = new_m0 == -INFINITY ? 0.f : new_m0;
-        const float use_m1 = new_m1 == -INFINITY ? 0.f : new_m1;
-        const float corr0 = fast_exp2(m0 - use_m0);
-        const float corr1 = fast_exp2(m1 - use_m1);
-        m0 = new_m0;
-        m1 = new_m1;
-        float sum0 = 0.f, sum1 = 0.f;
-#pragma unroll
-        for (int j = 0; j < NJ; ++j) {
-          s[j][0] = fast_exp2(s[j][0] - use_m0);
-          s[j][1] = fast_exp2(s[j][1] - use_m0);
-          s[j][2] = fast_exp2(s[j][2] - use_m1);
-          s[j][3] = fast_exp2(s[j][3] - use_m1);
-          sum0 += s[j][0] + s[j][1];
-          sum1 += s[j][2] + s[j][3];
-        }
-        l0 = fmaf(l0, corr0, sum0);
-        l1 = fmaf(l1, corr1, sum1);
+        const float2 corr = online_softmax_step(s, tile_start + tok0 + ((lane & 3) << 1), end, p.scale_log2,
+                                                slope0, slope1, last_pos, m0, m1, l0, l1);
+        const float corr0 = corr.x, corr1 = corr.y;
         // Once the running max settles, corrections are exactly 1: skip the rescale for the whole warp.
         if (__any_sync(0xffffffffu, corr0 != 1.f || corr1 != 1.f)) {
 #pragma unroll

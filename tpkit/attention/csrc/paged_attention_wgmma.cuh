@@ -190,44 +190,10 @@ __global__ void __launch_bounds__(kWgmmaThreads) paged_attention_wgmma_kernel(co
     wgmma_commit();
     wgmma_wait<0>();
 
-    const int pos_base = tile_start + ((lane & 3) << 1);
-    float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int pos = pos_base + j * 8 + (e & 1);
-        const float slope = e < 2 ? slope0 : slope1;
-        const float v = fmaf(s[4 * j + e], p.scale_log2, slope * (static_cast<float>(pos) - last_pos));
-        s[4 * j + e] = pos < end ? v : -INFINITY;
-      }
-      mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
-      mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
-    }
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-    const float new_m0 = fmaxf(m0, mx0);
-    const float new_m1 = fmaxf(m1, mx1);
-    const float use_m0 = new_m0 == -INFINITY ? 0.f : new_m0;
-    const float use_m1 = new_m1 == -INFINITY ? 0.f : new_m1;
-    const float corr0 = fast_exp2(m0 - use_m0);
-    const float corr1 = fast_exp2(m1 - use_m1);
-    m0 = new_m0;
-    m1 = new_m1;
-    float sum0 = 0.f, sum1 = 0.f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      s[4 * j] = fast_exp2(s[4 * j] - use_m0);
-      s[4 * j + 1] = fast_exp2(s[4 * j + 1] - use_m0);
-      s[4 * j + 2] = fast_exp2(s[4 * j + 2] - use_m1);
-      s[4 * j + 3] = fast_exp2(s[4 * j + 3] - use_m1);
-      sum0 += s[4 * j] + s[4 * j + 1];
-      sum1 += s[4 * j + 2] + s[4 * j + 3];
-    }
-    l0 = fmaf(l0, corr0, sum0);
-    l1 = fmaf(l1, corr1, sum1);
+    // S's accumulators are 8 column tiles of the mma layout, which the online softmax takes as [8][4].
+    const float2 corr = online_softmax_step(reinterpret_cast<float(&)[8][4]>(s), tile_start + ((lane & 3) << 1), end,
+                                            p.scale_log2, slope0, slope1, last_pos, m0, m1, l0, l1);
+    const float corr0 = corr.x, corr1 = corr.y;
     if (__any_sync(0xffffffffu, corr0 != 1.f || corr1 != 1.f)) {
 #pragma unroll
       for (int n = 0; n < 16; ++n) {
