@@ -5,6 +5,7 @@ decode message sizes.
     python benchmarks/bench_tp_scaling.py                       # CPU ranks over gloo, small shapes
     python benchmarks/bench_tp_scaling.py --device cuda --shapes 8b --tp-sizes 1,2,4
     torchrun --nproc-per-node 2 benchmarks/bench_tp_scaling.py --device cuda --shapes 8b   # one tp size
+    python benchmarks/bench_tp_scaling.py --device cuda --tp-sizes 1,2 --batch-sizes 1 --profile
 
 Without torchrun it spawns one process per rank for each tp size (gloo on CPU, NCCL with one GPU a rank).
 Decode latency per token is (time of generate(1 + N tokens) - time of generate(1 token)) / N, so it holds
@@ -12,6 +13,10 @@ the whole step (embedding, layers, LM head, sampling). The all-reduce share is m
 count of all-reduces a decode step makes (two per layer and one for the embedding), on messages of the
 decode step's size ``[batch, hidden]``, timed alone. Goal (issue 8): at tp_size 2 and batch 1 the decode
 step takes at most 0.6x the tp_size 1 time for the 8B shapes.
+
+``--profile``: after the timings, each tp size runs its decode steps once more under ``torch.profiler``
+and rank 0 prints the operators that took the most host time a step, with their device time,
+to show where a step's time goes when tp sizes differ.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.profiler import ProfilerActivity, profile
 
 from tpkit.models import LlamaForCausalLM
 from tpkit.parallel_layers import destroy_tensor_parallel, init_tensor_parallel
@@ -98,6 +104,9 @@ def _measure(args: argparse.Namespace, device: torch.device) -> list[dict]:
         generate(args.decode_steps + 1)  # warm-up: kernels, caches, a captured graph
         t_prefill = _median_seconds(lambda: generate(1), args.repeats, device)
         t_total = _median_seconds(lambda: generate(args.decode_steps + 1), args.repeats, device)
+        if args.profile:  # every rank runs the steps (they all-reduce); rank 0 prints
+            _profile(lambda: generate(args.decode_steps + 1), device, f"tp_size {tp.size}, batch {batch}",
+                     args.decode_steps, show=tp.rank == 0)
         decode_s = (t_total - t_prefill) / args.decode_steps
         message = batch * config["hidden_size"]
         if tp.size > 1:
@@ -115,6 +124,25 @@ def _measure(args: argparse.Namespace, device: torch.device) -> list[dict]:
             allreduce_bytes=message * torch.finfo(dtype).bits // 8, allreduce_busbw_GBps=busbw,
         ))
     return rows
+
+
+def _profile(fn, device: torch.device, title: str, steps: int, show: bool, top: int = 15) -> None:
+    """Runs ``fn`` under torch.profiler; with ``show``, prints the operators with the most host time, per
+    decode step."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+        _sync(device)
+    if not show:
+        return
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    print(f"profile, {title}: the {top} operators with the most host time, per decode step "
+          f"({steps} steps and the prefill, divided by {steps})")
+    print(f"{'operator':<48} {'calls/step':>10} {'host self ms':>12} {'device ms':>10}")
+    for event in events:
+        device_us = getattr(event, "device_time_total", getattr(event, "cuda_time_total", 0.0))
+        host_ms, device_ms = event.self_cpu_time_total / 1e3 / steps, device_us / 1e3 / steps
+        print(f"{event.key[:48]:<48} {event.count / steps:>10.1f} {host_ms:>12.3f} {device_ms:>10.3f}")
 
 
 def _rank_main(rank: int, world_size: int, port: int, measure, args: argparse.Namespace, results) -> None:
@@ -204,6 +232,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decode-steps", type=int, default=None, help="default: 32 on cuda, 8 on cpu")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cuda-graph", action="store_true", help="replay the decode step from a CUDA graph")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print where rank 0's decode steps spend host and device time")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds to wait for one tp size")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args(argv)
