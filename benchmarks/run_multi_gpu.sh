@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One call on a machine of several GPUs (nvidia-h200-x2 or -x4): the test suite under torchrun with NCCL,
+# tp parity and scaling of the Llama-3-8B shapes, and loading into GPUs. Each stage has its own time limit;
+# logs and JSON go to $OUT (at most 8 files come back from the device tool: one log a stage, two JSON).
+#   bash benchmarks/run_multi_gpu.sh                         # every stage, over all visible GPUs
+#   SKIP="parity loader" NPROC=2 bash benchmarks/run_multi_gpu.sh   # stages take up to 300 s: split calls
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=. PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=/tmp/tpkit_extensions TPKIT_DISABLE_PROGRESS=1
+# NVLink multicast stays off on these machines (it can take the host's shared GPUs out of service).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/tpkit_gpu_out}
+NPROC=${NPROC:-$(nvidia-smi --list-gpus | wc -l)}
+TP_SIZES=$(python3 -c "print(','.join(str(t) for t in (1, 2, 4) if t <= $NPROC))")
+mkdir -p "$OUT"
+stage() {  # stage NAME LIMIT_S COMMAND...
+  local name=$1 limit=$2 start
+  shift 2
+  case " ${SKIP:-} " in *" $name "*) echo "[$name: skipped]"; return;; esac
+  start=$(date +%s)
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "[$name: rc=$? in $(( $(date +%s) - start )) s]"
+}
+nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
+nvidia-smi topo -m | head -$(( NPROC + 1 ))
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())"
+date -u
+
+stage build 150 python3 -c "import torch; from tpkit.attention import _cuda
+_cuda.build(torch.cuda.get_device_capability())"
+stage tests 300 torchrun --nproc-per-node "$NPROC" -m pytest tests -q -p no:cacheprovider --tb=short -rfE \
+  -W ignore::UserWarning --ignore tests/test_paged_attention_cuda.py
+stage tp_scaling 300 python3 benchmarks/bench_tp_scaling.py --device cuda --shapes 8b --tp-sizes "$TP_SIZES" \
+  --cuda-graph --repeats 2 --profile --out "$OUT"
+stage parity 300 python3 benchmarks/check_tp_parity.py --device cuda --shapes 8b --tp-sizes "$TP_SIZES"
+stage loader 300 python3 benchmarks/bench_loader.py --device cuda --tp-sizes "$TP_SIZES" --rounds 2 \
+  --json "$OUT/loader_cuda.json"
+
+echo "=== tests"; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/tests.log" | tail -8
+echo "=== tp_scaling"; grep -A12 "^ tp batch" "$OUT/tp_scaling.log"
+echo "=== parity"; tail -8 "$OUT/parity.log"
+echo "=== loader"; sed -n '/^| goal/,$p' "$OUT/loader.log"
