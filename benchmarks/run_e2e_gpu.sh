@@ -6,18 +6,7 @@
 #   SKIP="cross_qkv tp_scaling" LATENCY_ARGS=--no-compile bash benchmarks/run_e2e_gpu.sh   # fewer stages
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=. PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=/tmp/tpkit_extensions TPKIT_DISABLE_PROGRESS=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-/tmp/tpkit_gpu_out}
-mkdir -p "$OUT"
-stage() {  # stage NAME LIMIT_S COMMAND...
-  local name=$1 limit=$2 start
-  shift 2
-  case " ${SKIP:-} " in *" $name "*) echo "[$name: skipped]"; return;; esac
-  start=$(date +%s)
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "[$name: rc=$? in $(( $(date +%s) - start )) s]"
-}
+source benchmarks/gpu_stages.sh
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda,
 'transformers', transformers.__version__)"; date -u; } | tee "$OUT/gpu.txt"

@@ -6,21 +6,9 @@
 #   SKIP="parity loader" NPROC=2 bash benchmarks/run_multi_gpu.sh   # stages take up to 300 s: split calls
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=. PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=/tmp/tpkit_extensions TPKIT_DISABLE_PROGRESS=1
-# NVLink multicast stays off on these machines (it can take the host's shared GPUs out of service).
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-/tmp/tpkit_gpu_out}
+source benchmarks/gpu_stages.sh
 NPROC=${NPROC:-$(nvidia-smi --list-gpus | wc -l)}
 TP_SIZES=$(python3 -c "print(','.join(str(t) for t in (1, 2, 4) if t <= $NPROC))")
-mkdir -p "$OUT"
-stage() {  # stage NAME LIMIT_S COMMAND...
-  local name=$1 limit=$2 start
-  shift 2
-  case " ${SKIP:-} " in *" $name "*) echo "[$name: skipped]"; return;; esac
-  start=$(date +%s)
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "[$name: rc=$? in $(( $(date +%s) - start )) s]"
-}
 nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
 nvidia-smi topo -m | head -$(( NPROC + 1 ))
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())"
