@@ -564,7 +564,7 @@ def test_bad_thread_counts(monkeypatch):
 # --- progress bar and log line ------------------------------------------------------------------------------
 
 def test_progress_bar_and_log_line(checkpoints, caplog, capsys, monkeypatch):
-    """The log line names this process's rank; the bar shows on rank 0 only (under torchrun, the others)."""
+    """The log line names this process's rank; only rank 0 shows the bar (under torchrun, others none)."""
     path, reference = checkpoints["llama_sharded"]
     model = LlamaForCausalLM(reference.config)
     rank = dist.get_rank() if dist.is_initialized() else 0
