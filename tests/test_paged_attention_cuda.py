@@ -32,10 +32,12 @@ def _alibi_slopes(num_heads: int) -> torch.Tensor:
 
 
 def _make_paged(seq_lens: list[int], num_kv_heads: int, head_size: int, block_size: int, *, extra_blocks: int,
-                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                generator: torch.Generator, key_growth: float = 0.0
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Float32 caches [num_blocks, block_size, num_kv_heads, head_size] holding random K/V for every token of
     every sequence and NaN elsewhere, and an int32 block table [num_seqs, max_blocks_per_seq + 1] mapping
-    each sequence to a random permutation of pages; unused entries point at random (mostly NaN) pages."""
+    each sequence to a random permutation of pages; unused entries point at random (mostly NaN) pages. The
+    key of position pos is scaled by 1 + key_growth * pos / 64, so scores grow along the sequence."""
     pages_per_seq = [math.ceil(n / block_size) for n in seq_lens]
     num_blocks = sum(pages_per_seq) + extra_blocks
     width = max(pages_per_seq) + 1
@@ -52,16 +54,19 @@ def _make_paged(seq_lens: list[int], num_kv_heads: int, head_size: int, block_si
             continue
         pos = torch.arange(n)
         blocks = block_tables[s, pos // block_size].long()  # [n]
-        key_cache[blocks, pos % block_size] = torch.randn(n, num_kv_heads, head_size, generator=generator)
+        gain = (1 + key_growth * pos / 64)[:, None, None]  # [n, 1, 1]
+        keys = torch.randn(n, num_kv_heads, head_size, generator=generator)
+        key_cache[blocks, pos % block_size] = keys * gain
         value_cache[blocks, pos % block_size] = torch.randn(n, num_kv_heads, head_size, generator=generator)
     return key_cache, value_cache, block_tables
 
 
 def _check_attention(dtype: torch.dtype, head_size: int, block_size: int, num_heads: int, num_kv_heads: int,
-                     seq_lens: list[int], *, alibi: bool, seed: int) -> None:
+                     seq_lens: list[int], *, alibi: bool, seed: int, key_growth: float = 0.0) -> None:
     generator = torch.Generator().manual_seed(seed)
     key_cache, value_cache, block_tables = _make_paged(seq_lens, num_kv_heads, head_size, block_size,
-                                                       extra_blocks=3, generator=generator)
+                                                       extra_blocks=3, generator=generator,
+                                                       key_growth=key_growth)
     # Rounded to the dtype first, so the CPU float32 reference sees exactly the kernel's inputs.
     query = torch.randn(len(seq_lens), num_heads, head_size, generator=generator).to(dtype).float()
     key_cache, value_cache = key_cache.to(dtype).float(), value_cache.to(dtype).float()
@@ -150,6 +155,19 @@ def test_paged_attention_wgmma(dtype: torch.dtype, group_size: int, num_kv_heads
     plan = _plan(dtype, 128, 16, num_heads, num_kv_heads, seq_lens)
     assert plan["wgmma"] == (1 if torch.cuda.get_device_capability() == (9, 0) else 0), plan
     _check_attention(dtype, 128, 16, num_heads, num_kv_heads, seq_lens, alibi=True, seed=group_size)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("key_growth", [0.3, 3.0])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 2), (48, 1)])
+def test_paged_attention_growing_scores(dtype: torch.dtype, key_growth: float, num_heads: int,
+                                        num_kv_heads: int) -> None:
+    """Scores that grow along the sequence push each row's running max up tile after tile (by a few units of
+    log2 with 0.3, by tens with 3.0), so the output is rescaled at many tiles, on the path that takes the
+    max of unscaled scores (no ALiBi, no masked column) and at the masked ends; the mma kernel (group 4)
+    and, on compute 9.0, the warpgroup kernel (48)."""
+    _check_attention(dtype, 128, 16, num_heads, num_kv_heads, [1, 65, 700, 2100], alibi=False, seed=7,
+                     key_growth=key_growth)
 
 
 @pytest.mark.parametrize("head_size", [120, 128])

@@ -79,19 +79,30 @@ template <int NJ>
 __device__ __forceinline__ float2 online_softmax_step(float (&s)[NJ][4], int pos_base, int end, float scale_log2,
                                                       float slope0, float slope1, float last_pos, float& m0,
                                                       float& m1, float& l0, float& l1) {
+  // Most steps have no ALiBi and no masked column: the max is then taken of the raw scores (the same order
+  // for a positive scale) and the scale rides on the exp2's multiply-add, 4 instructions a score, not 9.
+  const bool raw = slope0 == 0.f && slope1 == 0.f && scale_log2 > 0.f && pos_base + (NJ - 1) * 8 + 1 < end;
+  if (!raw) {
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int pos = pos_base + j * 8 + (e & 1);
+        const float slope = e < 2 ? slope0 : slope1;
+        const float v = fmaf(s[j][e], scale_log2, slope * (static_cast<float>(pos) - last_pos));
+        s[j][e] = pos < end ? v : -INFINITY;
+      }
+    }
+  }
+  const float scale = raw ? scale_log2 : 1.f;
   float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
   for (int j = 0; j < NJ; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int pos = pos_base + j * 8 + (e & 1);
-      const float slope = e < 2 ? slope0 : slope1;
-      const float v = fmaf(s[j][e], scale_log2, slope * (static_cast<float>(pos) - last_pos));
-      s[j][e] = pos < end ? v : -INFINITY;
-    }
     mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
     mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
   }
+  mx0 *= scale;
+  mx1 *= scale;
   mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
   mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
   mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
@@ -108,10 +119,10 @@ __device__ __forceinline__ float2 online_softmax_step(float (&s)[NJ][4], int pos
   float sum0 = 0.f, sum1 = 0.f;
 #pragma unroll
   for (int j = 0; j < NJ; ++j) {
-    s[j][0] = fast_exp2(s[j][0] - use_m0);
-    s[j][1] = fast_exp2(s[j][1] - use_m0);
-    s[j][2] = fast_exp2(s[j][2] - use_m1);
-    s[j][3] = fast_exp2(s[j][3] - use_m1);
+    s[j][0] = fast_exp2(fmaf(s[j][0], scale, -use_m0));
+    s[j][1] = fast_exp2(fmaf(s[j][1], scale, -use_m0));
+    s[j][2] = fast_exp2(fmaf(s[j][2], scale, -use_m1));
+    s[j][3] = fast_exp2(fmaf(s[j][3], scale, -use_m1));
     sum0 += s[j][0] + s[j][1];
     sum1 += s[j][2] + s[j][3];
   }
@@ -350,17 +361,18 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
   const int v_lane_off = ((lane & 7) + (((lane >> 3) & 1) << 3)) * RS + L::lane_base(lane >> 4);
   const uint32_t v_xor = L::lane_bits(lane, lane >> 4);
 
-  for (int tile = 0; tile < num_tiles; ++tile) {
+  // A counter, not tile % num_stages: a division by a run-time value is some 20 instructions a tile.
+  for (int tile = 0, stage = 0; tile < num_tiles; ++tile, stage = stage + 1 == num_stages ? 0 : stage + 1) {
     // Block-table reads for tile + num_stages: in flight during this iteration, stored at its end.
     const int ahead = tile + num_stages;
     const int ahead_page = tid < pages_per_tile ? page_of(ahead, tid) : -1;
     const int next = tile + num_stages - 1;
-    if (next < num_tiles) issue_tile(next, next % num_stages);
+    // Tile `next` refills the stage the previous iteration read (next = tile - 1 modulo num_stages).
+    if (next < num_tiles) issue_tile(next, stage == 0 ? num_stages - 1 : stage - 1);
     cp_async_commit();
     cp_async_wait_dynamic(num_stages - 1);
     __syncthreads();
 
-    const int stage = tile % num_stages;
     const int tile_start = start + tile * kTileTokens;
     const uint32_t k_stage = smem_addr(k_s + stage * kTileTokens * RS);
     const uint32_t v_stage = smem_addr(v_s + stage * kTileTokens * RS);

@@ -163,19 +163,25 @@ __global__ void __launch_bounds__(kWgmmaThreads) paged_attention_wgmma_kernel(co
   float m0 = -INFINITY, m1 = -INFINITY;
   float l0 = 0.f, l1 = 0.f;
 
-  for (int tile = 0; tile < num_tiles; ++tile) {
+  // Operand descriptors (wgmma.cuh): Q and stage 0's K K-major, stage 0's V MN-major.
+  const uint64_t q_desc = wgmma_desc(q_s, 16, 1024);
+  const uint64_t k_desc0 = wgmma_desc(kv_s, 16, 1024);
+  const uint64_t v_desc0 = wgmma_desc(kv_s + 2 * kPlaneBytes, kPlaneBytes, 1024);
+  // A counter, not tile % num_stages: a division by a run-time value is some 20 instructions a tile.
+  for (int tile = 0, stage = 0; tile < num_tiles; ++tile, stage = stage + 1 == num_stages ? 0 : stage + 1) {
     const int ahead = tile + num_stages;
     const int ahead_page = tid < pages_per_tile ? page_of(ahead, tid) : -1;
     const int next = tile + num_stages - 1;
-    if (next < num_tiles) issue_tile(next, next % num_stages);
+    // Tile `next` refills the stage the previous iteration read (next = tile - 1 modulo num_stages).
+    if (next < num_tiles) issue_tile(next, stage == 0 ? num_stages - 1 : stage - 1);
     cp_async_commit();
     cp_async_wait_dynamic(num_stages - 1);  // this tile (and, the first time, the query) has landed
     fence_proxy_async_shared();             // ... and is visible to wgmma
     __syncthreads();
 
     const int tile_start = start + tile * kTileTokens;
-    const uint32_t k_tile = kv_s + (tile % num_stages) * kStageBytes;
-    const uint32_t v_tile = k_tile + 2 * kPlaneBytes;
+    const uint64_t k_desc = wgmma_desc_advance(k_desc0, stage * kStageBytes);
+    const uint64_t v_desc = wgmma_desc_advance(v_desc0, stage * kStageBytes);
 
     float s[32];  // 8 column tiles of 8 tokens
 #pragma unroll
@@ -184,7 +190,7 @@ __global__ void __launch_bounds__(kWgmmaThreads) paged_attention_wgmma_kernel(co
 #pragma unroll
     for (int ks = 0; ks < kWgmmaHead / 16; ++ks) {
       const uint32_t step = (ks >> 2) * kPlaneBytes + (ks & 3) * 32;
-      wgmma_m64n64k16_ss<Traits::kIsBF16>(s, wgmma_desc(q_s + step, 16, 1024), wgmma_desc(k_tile + step, 16, 1024),
+      wgmma_m64n64k16_ss<Traits::kIsBF16>(s, wgmma_desc_advance(q_desc, step), wgmma_desc_advance(k_desc, step),
                                           ks > 0);
     }
     wgmma_commit();
@@ -214,7 +220,7 @@ __global__ void __launch_bounds__(kWgmmaThreads) paged_attention_wgmma_kernel(co
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
-      wgmma_m64n128k16_rs<Traits::kIsBF16>(o, pa[kk], wgmma_desc(v_tile + kk * 16 * 128, kPlaneBytes, 1024), true);
+      wgmma_m64n128k16_rs<Traits::kIsBF16>(o, pa[kk], wgmma_desc_advance(v_desc, kk * 16 * 128), true);
     }
     wgmma_commit();
     wgmma_wait<0>();  // the stage is refilled after the barrier below

@@ -27,6 +27,12 @@ __device__ __forceinline__ uint64_t wgmma_desc(uint32_t addr, uint32_t leading_b
          (static_cast<uint64_t>((stride_bytes & 0x3FFFF) >> 4) << 32) | (uint64_t{1} << 62);
 }
 
+// The descriptor of the operand `bytes` further on (a multiple of 16): the address field is bits 0-13 of
+// the descriptor in 16-byte units and shared memory ends below 2^18 bytes, so the sum never carries out of
+// it. Descriptors of a loop's operands are then one add from a base made once, not the masks and shifts of
+// wgmma_desc for every product.
+__device__ __forceinline__ uint64_t wgmma_desc_advance(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
+
 // Orders this thread's register writes before the next wgmma that reads or accumulates into them.
 __device__ __forceinline__ void wgmma_fence() {
 #if TPKIT_WGMMA_AVAILABLE
