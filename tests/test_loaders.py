@@ -5,12 +5,14 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import os
 import re
 import shutil
 import struct
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -33,7 +35,7 @@ from tpkit.loaders import (
     reset_bytes_read,
 )
 from tpkit.models import LlamaForCausalLM as TpkitLlama
-from tpkit.parallel_layers import ColumnParallelLinear, TPGroup
+from tpkit.parallel_layers import ColumnParallelLinear, RowParallelLinear, TPGroup, _loading
 
 # tp_size 1 without init_tensor_parallel, also under torchrun (where torch.distributed is initialised).
 SINGLE = TPGroup(None, 0, 1)
@@ -559,6 +561,158 @@ def test_bad_thread_counts(monkeypatch):
     monkeypatch.setenv("TPKIT_LOAD_THREADS", "many")
     with pytest.raises(ValueError, match=r"TPKIT_LOAD_THREADS: expected a positive integer, got 'many'"):
         load_weights(model, [])
+
+
+# --- copies into GPUs through page-locked buffers ---------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_pinned_chunk_plan_cuts_rows_and_rows_too_large():
+    assert _loading._plan_chunks((10, 4), 4, 48) == [((), 0, 3), ((), 3, 3), ((), 6, 3), ((), 9, 1)]
+    assert _loading._plan_chunks((10,), 2, 8) == [((), 0, 4), ((), 4, 4), ((), 8, 2)]  # 1-D: by elements
+    assert _loading._plan_chunks((3, 4), 4, 1000) == [((), 0, 3)]
+    assert _loading._plan_chunks((3,), 8, 4) == [((), 0, 1), ((), 1, 1), ((), 2, 1)]  # an element at least
+    # A row of 80 bytes over a chunk of 40: each row is cut along its own first dimension.
+    assert _loading._plan_chunks((2, 5, 4), 4, 40) == [((row,), start, length) for row in range(2)
+                                                       for start, length in ((0, 2), (2, 2), (4, 1))]
+    assert _loading._plan_chunks((2, 3, 4), 2, 5) == [((row, i), start, length) for row in range(2)
+                                                      for i in range(3) for start, length in ((0, 2), (2, 2))]
+    assert _loading._plan_chunks((0, 4), 4, 48) == _loading._plan_chunks((4, 0), 4, 48) == []
+    with pytest.raises(ValueError, match="0-d"):
+        _loading._plan_chunks((), 4, 48)
+
+
+@pytest.mark.parametrize("shape", [(10, 4), (7,), (3, 5, 4), (2, 3, 1, 9), (1, 64)])
+@pytest.mark.parametrize("chunk_bytes", [1, 12, 40, 100, 10_000])
+def test_pinned_chunk_plan_covers_every_element_once_in_order(shape, chunk_bytes):
+    covered = torch.arange(math.prod(shape)).reshape(shape)
+    pieces = [covered[index].narrow(0, start, length)
+              for index, start, length in _loading._plan_chunks(shape, 4, chunk_bytes)]
+    assert torch.equal(torch.cat([piece.reshape(-1) for piece in pieces]), covered.reshape(-1))
+    assert all(piece.numel() * 4 <= chunk_bytes or piece.shape[0] == 1 for piece in pieces)
+
+
+CopyCase = Callable[[torch.device], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _copy_cases(rows: int, cols: int) -> dict[str, CopyCase]:
+    """(dst on the device, src on the CPU) pairs of one shape each; their sizes scale with rows x cols."""
+    g = torch.Generator().manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g)
+
+    return {
+        "contiguous": lambda d: (torch.zeros(rows, cols, device=d), randn(rows, cols)),
+        # A column-parallel layer's rows: both contiguous, at an offset.
+        "row shard": lambda d: (torch.zeros(3 * rows, cols, device=d).narrow(0, rows, rows),
+                                randn(2 * rows, cols).narrow(0, rows, rows)),
+        # A row-parallel layer's columns: both strided.
+        "column shard": lambda d: (torch.zeros(rows, 3 * cols, device=d).narrow(1, cols, cols),
+                                   randn(rows, 2 * cols).narrow(1, cols, cols)),
+        "float32 into bfloat16": lambda d: (torch.zeros(rows, cols, dtype=torch.bfloat16, device=d),
+                                            randn(rows, cols)),
+        "bfloat16 column shard into float32": lambda d: (
+            torch.zeros(rows, 2 * cols, device=d).narrow(1, cols, cols),
+            randn(rows, 3 * cols).to(torch.bfloat16).narrow(1, 0, cols)),
+        "rows larger than a chunk": lambda d: (torch.zeros(2, rows, cols, device=d), randn(2, rows, cols)),
+        "1-D": lambda d: (torch.zeros(rows * cols + 3, device=d), randn(rows * cols + 3)),
+        "0-D": lambda d: (torch.zeros((), device=d), randn(())),
+    }
+
+
+CPU_CASES = _copy_cases(7, 5)
+
+
+@pytest.mark.parametrize("case", list(CPU_CASES))
+def test_pinned_staged_copy_on_cpu_matches_copy(case):
+    """The chunk loop, with a CPU destination and ordinary buffers of 64 bytes: many chunks, each copied
+    synchronously; the same values as one copy_."""
+    dst, src = CPU_CASES[case](torch.device("cpu"))
+    expected = dst.clone().copy_(src)
+    buffers = (torch.empty(64, dtype=torch.uint8), torch.empty(64, dtype=torch.uint8))
+    _loading._staged_copy(dst, src, buffers)
+    assert torch.equal(dst, expected)
+
+
+def test_pinned_staging_switch(monkeypatch):
+    monkeypatch.delenv("TPKIT_LOAD_PINNED", raising=False)
+    assert _loading._staging_enabled()
+    for off in ("0", "false", " Off ", "no"):
+        monkeypatch.setenv("TPKIT_LOAD_PINNED", off)
+        assert not _loading._staging_enabled()
+    monkeypatch.setenv("TPKIT_LOAD_PINNED", "1")
+    assert _loading._staging_enabled()
+
+
+def _count_staged_copies(monkeypatch) -> list[tuple[torch.Size, torch.dtype]]:
+    calls = []
+    staged_copy = _loading._staged_copy
+
+    def counting(dst, src, buffers):
+        calls.append((src.shape, src.dtype))
+        staged_copy(dst, src, buffers)
+
+    monkeypatch.setattr(_loading, "_staged_copy", counting)
+    return calls
+
+
+# About 32 MiB in float32: several 8 MiB chunks, the last one shorter; a row of the 3-D case spans several.
+GPU_CASES = _copy_cases(2053, 4099)
+
+
+@needs_cuda
+@pytest.mark.parametrize("case", list(GPU_CASES))
+def test_pinned_copy_into_gpu_matches_plain_copy(case, monkeypatch):
+    monkeypatch.delenv("TPKIT_LOAD_PINNED", raising=False)
+    calls = _count_staged_copies(monkeypatch)
+    dst, src = GPU_CASES[case](torch.device("cuda"))
+    expected = dst.clone().copy_(src)  # from pageable memory, cast on the CPU
+    with torch.no_grad():
+        _loading._copy_into(dst, src)
+    assert torch.equal(dst, expected)
+    assert len(calls) == (0 if case == "0-D" else 1)  # small tensors go straight through copy_
+
+
+@needs_cuda
+def test_pinned_load_weights_into_gpu_matches_pageable(tmp_path, monkeypatch):
+    """Lazy file views into tpkit layers and a plain parameter on the GPU, on 4 threads and on the calling
+    thread, in and out of inference mode (the buffers are made in it, then written outside): the values of
+    copies straight from pageable memory."""
+    g = torch.Generator().manual_seed(0)
+    tensors = {"up.weight": torch.randn(3000, 1024, generator=g), "up.bias": torch.randn(3000, generator=g),
+               "down.weight": torch.randn(1024, 3000, generator=g),
+               "scale": torch.randn(1_500_000, generator=g)}  # default_weight_loader: a plain copy_
+    save_file(tensors, tmp_path / "model.safetensors")
+
+    def build() -> nn.Module:
+        model = nn.Module()
+        model.up = ColumnParallelLinear(1024, 3000, tp_group=SINGLE, params_dtype=torch.bfloat16,
+                                        device="cuda")
+        model.down = RowParallelLinear(3000, 1024, bias=False, tp_group=SINGLE, device="cuda")
+        model.scale = nn.Parameter(torch.zeros(1_500_000, dtype=torch.bfloat16, device="cuda"))
+        return model
+
+    calls = _count_staged_copies(monkeypatch)
+    monkeypatch.setattr(_loading._STAGING, "pair", None)  # this thread's made afresh, in inference mode
+    states = []
+    for pinned, threads, inference in (("0", 4, False), ("1", 4, True), ("1", 1, True), ("1", 1, False)):
+        monkeypatch.setenv("TPKIT_LOAD_PINNED", pinned)
+        calls.clear()
+        with torch.inference_mode(inference):
+            model = build()
+            load_weights(model, iter_weights(tmp_path), num_threads=threads, progress=False)
+        assert len(calls) == (0 if pinned == "0" else 2)  # the layers' weights; the bias is under 1 MiB
+        states.append(_snapshot(model))
+    for state in states[1:]:
+        for name, tensor in states[0].items():
+            assert torch.equal(state[name], tensor), name
+    # A row-parallel layer's columns at tp_size 2: a strided view of the file map.
+    handle = dict(iter_weights(tmp_path))["down.weight"]
+    param = torch.zeros(1024, 1500, dtype=torch.bfloat16, device="cuda")
+    _loading._copy_pieces(param, handle, 1, [(0, 1500, 1500)])
+    assert torch.equal(param, tensors["down.weight"][:, 1500:].to(torch.bfloat16).cuda())
 
 
 # --- progress bar and log line ------------------------------------------------------------------------------
