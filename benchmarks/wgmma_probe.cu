@@ -15,6 +15,19 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 // Row r, 16-byte chunk c of a [64][128] bf16 matrix in the planar 128-byte-swizzled layout.
 __device__ __forceinline__ int swizzled(int r, int c) { return (c / 8) * 8192 + r * 128 + (((c % 8) ^ (r & 7)) * 16); }
 
+// Writes a warp's m64nN accumulators (N / 8 tiles of the m16n8 layout, 4 floats a tile a thread) into the
+// row-major [64][N] matrix `out`: row `row` (this lane's first) and row + 8.
+template <int N>
+__device__ void store_accumulators(const float* acc, float* out, int row, int lane) {
+  for (int j = 0; j < N / 8; ++j) {
+    const int col = 8 * j + (lane % 4) * 2;
+    out[row * N + col] = acc[4 * j];
+    out[row * N + col + 1] = acc[4 * j + 1];
+    out[(row + 8) * N + col] = acc[4 * j + 2];
+    out[(row + 8) * N + col + 1] = acc[4 * j + 3];
+  }
+}
+
 __global__ void probe_kernel(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v, float* s_out,
                              float* o_out) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -51,13 +64,7 @@ __global__ void probe_kernel(const __nv_bfloat16* q, const __nv_bfloat16* k, con
 
   const int warp = tid / 32, lane = tid % 32;
   const int row = 16 * warp + lane / 4;
-  for (int j = 0; j < 8; ++j) {
-    const int col = 8 * j + (lane % 4) * 2;
-    s_out[row * 64 + col] = s[4 * j];
-    s_out[row * 64 + col + 1] = s[4 * j + 1];
-    s_out[(row + 8) * 64 + col] = s[4 * j + 2];
-    s_out[(row + 8) * 64 + col + 1] = s[4 * j + 3];
-  }
+  store_accumulators<64>(s, s_out, row, lane);
 
   uint32_t pa[4][4];
   for (int kk = 0; kk < 4; ++kk) {
@@ -72,13 +79,7 @@ __global__ void probe_kernel(const __nv_bfloat16* q, const __nv_bfloat16* k, con
   }
   wgmma_commit();
   wgmma_wait<0>();
-  for (int j = 0; j < 16; ++j) {
-    const int col = 8 * j + (lane % 4) * 2;
-    o_out[row * 128 + col] = o[4 * j];
-    o_out[row * 128 + col + 1] = o[4 * j + 1];
-    o_out[(row + 8) * 128 + col] = o[4 * j + 2];
-    o_out[(row + 8) * 128 + col + 1] = o[4 * j + 3];
-  }
+  store_accumulators<128>(o, o_out, row, lane);
 }
 
 void probe(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor s_out, at::Tensor o_out) {
