@@ -14,6 +14,8 @@ design, only their times mean something:
   the stages hold: the time of the arithmetic and the barriers.
 - ``stages``: main, but ``TPKIT_DIAG_STAGES=N`` in the environment forces the warpgroup kernel's stage
   count (resident blocks follow from the occupancy API).
+- ``partitions``: main, but ``TPKIT_DIAG_PARTITIONS=N`` forces the split into N partitions (or the fewest
+  that hold the same partition size); the cluster merge still takes splits of up to 8 that fit.
 
 Edits combine with ``+``: ``noc+stages`` is the copies alone with the stage count forced.
 """
@@ -66,7 +68,20 @@ def _forced_stages(tree: Path) -> None:
   a->m_groups = ceil_div(a->group_size, kWgmmaRows);""")
 
 
-EDITS = {"noc": _no_compute, "nold": _no_loads, "stages": _forced_stages}
+def _forced_partitions(tree: Path) -> None:
+    api = tree / CSRC / "paged_attention_api.cu"
+    _edit(api, "#include <algorithm>\n", "#include <algorithm>\n#include <cstdlib>\n")
+    _edit(api, """  a->num_partitions = best_partitions;
+  a->partition_size = best_tiles * kPlanTile;""",
+          """  if (const char* forced = getenv("TPKIT_DIAG_PARTITIONS")) {
+    best_tiles = (max_tiles + atoi(forced) - 1) / atoi(forced);
+    best_partitions = (max_tiles + best_tiles - 1) / best_tiles;
+  }
+  a->num_partitions = best_partitions;
+  a->partition_size = best_tiles * kPlanTile;""")
+
+
+EDITS = {"noc": _no_compute, "nold": _no_loads, "stages": _forced_stages, "partitions": _forced_partitions}
 
 
 def main() -> None:
