@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import logging
 import math
@@ -28,6 +29,7 @@ from tpkit.loaders import (
     CheckpointNotFoundError,
     LazyTensor,
     WeightsMismatchError,
+    _direct_copy,
     bytes_read,
     default_weight_loader,
     iter_weights,
@@ -695,6 +697,7 @@ def test_pinned_load_weights_into_gpu_matches_pageable(tmp_path, monkeypatch):
         return model
 
     calls = _count_staged_copies(monkeypatch)
+    monkeypatch.setenv("TPKIT_LOAD_DMA", "0")  # staging itself, not the direct copies from the file
     monkeypatch.setattr(_loading._STAGING, "pair", None)  # this thread's made afresh, in inference mode
     states = []
     for pinned, threads, inference in (("0", 4, False), ("1", 4, True), ("1", 1, True), ("1", 1, False)):
@@ -713,6 +716,119 @@ def test_pinned_load_weights_into_gpu_matches_pageable(tmp_path, monkeypatch):
     param = torch.zeros(1024, 1500, dtype=torch.bfloat16, device="cuda")
     _loading._copy_pieces(param, handle, 1, [(0, 1500, 1500)])
     assert torch.equal(param, tensors["down.weight"][:, 1500:].to(torch.bfloat16).cuda())
+
+
+# --- direct copies from the page cache into a GPU -----------------------------------------------------------
+
+def _save_bf16(path: Path, rows: int, cols: int) -> torch.Tensor:
+    """One bf16 tensor after a small one, so that its bytes start inside a page; returns it."""
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(rows, cols, generator=g).to(torch.bfloat16)
+    save_file({"a.bias": torch.randn(37, generator=g).to(torch.bfloat16), "b.weight": weight}, path)
+    return weight
+
+
+def test_direct_copy_file_offset_of_parts(tmp_path):
+    """Where a handle's views lie in the file: the bytes there are the view's (the whole and row ranges)."""
+    weight = _save_bf16(tmp_path / "model.safetensors", 300, 200)
+    handle = dict(iter_weights(tmp_path))["b.weight"]
+    with open(tmp_path / "model.safetensors", "rb") as file:
+        for part in (handle[:], handle.narrow(0, 7, 100), handle[150:]):
+            offset = handle._file_offset(part)
+            file.seek(offset)
+            stored = torch.frombuffer(bytearray(file.read(part.numel() * 2)), dtype=torch.bfloat16)
+            assert torch.equal(stored.view(part.shape), part)
+    assert torch.equal(handle[150:], weight[150:])
+
+
+@pytest.mark.parametrize("failing_piece", [None, 0, 2])
+def test_direct_copy_pieces_and_registrations(tmp_path, monkeypatch, failing_piece):
+    """The piece loop with a CPU destination and recorded page-locking calls: ranges of whole pages, one a
+    piece, not overlapping, covering the part's pages; each unregistered; a piece that fails to register is
+    copied all the same; the bytes are the part's."""
+    weight = _save_bf16(tmp_path / "model.safetensors", 64, 1000)  # 128,000 bytes: 32 pages
+    handle = dict(iter_weights(tmp_path))["b.weight"]
+    part = handle.narrow(0, 3, 50)  # starts and ends inside a page
+    page = _direct_copy.mmap.PAGESIZE
+    monkeypatch.setattr(_direct_copy, "_PIECE_BYTES", 3 * page)
+    registered, unregistered = [], []
+
+    def register(address: int, nbytes: int) -> bool:
+        ok = len(registered) != failing_piece
+        registered.append((address, nbytes, ok))
+        return ok
+
+    dst = torch.zeros(50, 1000, dtype=torch.bfloat16)
+    _direct_copy._copy_in_pieces(dst, handle.file, handle._file_offset(part), register, unregistered.append)
+    assert torch.equal(dst, weight[3:53])
+    assert all(address % page == 0 and nbytes % page == 0 for address, nbytes, _ in registered)
+    for (a, n, _), (b, _, _) in itertools.pairwise(registered):
+        assert a + n == b  # consecutive, not overlapping
+    first, last = registered[0][0], registered[-1][0] + registered[-1][1]
+    part_bytes = part.numel() * 2
+    assert last - first >= part_bytes and last - first < part_bytes + 2 * page
+    assert len(registered) == -(-(last - first) // (3 * page))
+    assert unregistered == [address for address, _, ok in registered if ok]
+
+
+def test_direct_copy_declines(tmp_path, monkeypatch):
+    """Not into a CPU tensor (copy_to writes nothing then); the switch."""
+    _save_bf16(tmp_path / "model.safetensors", 1024, 1024)  # 2 MiB
+    handle = dict(iter_weights(tmp_path))["b.weight"]
+    part = handle[:]
+    dst = torch.zeros(1024, 1024, dtype=torch.bfloat16)
+    assert not handle.copy_to(dst, part)
+    assert not dst.any()
+    monkeypatch.delenv("TPKIT_LOAD_DMA", raising=False)
+    assert _direct_copy.enabled()
+    for off in ("0", "false", " Off ", "no"):
+        monkeypatch.setenv("TPKIT_LOAD_DMA", off)
+        assert not _direct_copy.enabled()
+
+
+@needs_cuda
+def test_direct_copy_into_gpu(tmp_path, monkeypatch):
+    """Into GPU parameters through load_weights: the whole tensor, row shards (a column-parallel layer at
+    tp_size 2, each rank's rows) and a plain parameter (default_weight_loader) copy straight from the file,
+    the casts and column shards do not; every value is the checkpoint's."""
+    g = torch.Generator().manual_seed(0)
+    tensors = {"up.weight": torch.randn(3000, 1024, generator=g).to(torch.bfloat16),
+               "down.weight": torch.randn(1024, 3000, generator=g),  # float32 into bfloat16: staged
+               "scale": torch.randn(1_500_000, generator=g).to(torch.bfloat16)}
+    save_file(tensors, tmp_path / "model.safetensors")
+    monkeypatch.delenv("TPKIT_LOAD_DMA", raising=False)
+    monkeypatch.setattr(_direct_copy._State, "failed", False)
+    direct = []
+    copy_file_range = _direct_copy.copy_file_range
+
+    def counting(dst, path, offset):
+        direct.append(dst.shape)
+        copy_file_range(dst, path, offset)
+
+    monkeypatch.setattr(_direct_copy, "copy_file_range", counting)
+    model = nn.Module()
+    model.up = ColumnParallelLinear(1024, 3000, bias=False, tp_group=SINGLE, params_dtype=torch.bfloat16,
+                                    device="cuda")
+    model.down = RowParallelLinear(3000, 1024, bias=False, tp_group=SINGLE, params_dtype=torch.bfloat16,
+                                   device="cuda")
+    model.scale = nn.Parameter(torch.zeros(1_500_000, dtype=torch.bfloat16, device="cuda"))
+    load_weights(model, iter_weights(tmp_path), num_threads=4, progress=False)
+    assert sorted(direct) == sorted([torch.Size([3000, 1024]), torch.Size([1_500_000])])
+    assert not _direct_copy._State.failed
+    assert torch.equal(model.up.weight.cpu(), tensors["up.weight"])
+    assert torch.equal(model.down.weight.cpu(), tensors["down.weight"].to(torch.bfloat16))
+    assert torch.equal(model.scale.cpu(), tensors["scale"])
+    handle = dict(iter_weights(tmp_path))["up.weight"]
+    for rank in range(2):  # rows [1500 * rank, 1500 * (rank + 1)), by DMA; then columns, staged
+        param = torch.zeros(1500, 1024, dtype=torch.bfloat16, device="cuda")
+        _loading._copy_pieces(param, handle, 0, [(0, 1500 * rank, 1500)])
+        assert torch.equal(param.cpu(), tensors["up.weight"][1500 * rank:1500 * (rank + 1)])
+        param = torch.zeros(3000, 512, dtype=torch.bfloat16, device="cuda")
+        _loading._copy_pieces(param, handle, 1, [(0, 512 * rank, 512)])
+        assert torch.equal(param.cpu(), tensors["up.weight"][:, 512 * rank:512 * (rank + 1)])
+    assert len(direct) == 4
+    torch.zeros(1, device="cuda").add_(1)  # no CUDA error left behind
+    torch.cuda.synchronize()
 
 
 # --- progress bar and log line ------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from . import _direct_copy
 from .errors import CheckpointError
 
 __all__ = ["LazyTensor", "bytes_read", "reset_bytes_read"]
@@ -130,6 +131,18 @@ class LazyTensor(ABC):
     def __getitem__(self, key: Any) -> torch.Tensor:
         return self._take(self._full()[key])
 
+    def copy_to(self, dst: torch.Tensor, part: torch.Tensor) -> bool:
+        """Copies ``part``, a tensor this handle returned (``narrow`` or ``[...]``), into ``dst`` (the same
+        shape and dtype) straight from the file, where that is faster than copying the view. Returns True
+        once ``dst`` holds it; False, having written nothing, where it is not: the caller then copies
+        ``part``.
+
+        Into a GPU, a contiguous part of 1 MiB or more of a safetensors file is copied by DMA from the page
+        cache, page-locked in place, so the host's CPU never copies its bytes (``TPKIT_LOAD_DMA=0`` turns
+        this off). ``part`` was counted by :func:`bytes_read` when it was taken; this counts nothing.
+        """
+        return False
+
     def _take(self, part: torch.Tensor) -> torch.Tensor:
         if self._counts_reads():
             _COUNTER.add(part.numel() * part.element_size())
@@ -178,12 +191,23 @@ class _SafetensorsTensor(LazyTensor):
                                 offset=self.data_start - map_start)  # [numel]
         return flat.view(self.shape)
 
+    def copy_to(self, dst: torch.Tensor, part: torch.Tensor) -> bool:
+        if not _direct_copy.worth_it(dst, part):
+            return False
+        _direct_copy.copy_file_range(dst, self.file, self._file_offset(part))
+        return True
+
+    def _file_offset(self, part: torch.Tensor) -> int:
+        """Where the first byte of ``part``, a view this handle returned, lies in the file (the storage of
+        ``_full``'s view begins at ``data_start``)."""
+        return self.data_start + part.data_ptr() - part.untyped_storage().data_ptr()
+
     def _take(self, part: torch.Tensor) -> torch.Tensor:
         if part.numel() and part.is_contiguous() and hasattr(os, "posix_fadvise"):
             # Has the kernel start reading the part's bytes now, in large requests, instead of fault by fault
             # as the copy reaches them: a load from a cold page cache took about 20% less time. Only for
             # contiguous parts, whose byte range is theirs alone (a column slice's spans the other columns).
-            start = self.data_start + part.data_ptr() - part.untyped_storage().data_ptr()
+            start = self._file_offset(part)
             fd = os.open(self.file, os.O_RDONLY)
             try:
                 os.posix_fadvise(fd, start, part.numel() * part.element_size(), os.POSIX_FADV_WILLNEED)

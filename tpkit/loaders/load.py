@@ -58,7 +58,9 @@ def default_weight_loader(param: torch.Tensor, loaded_weight: Weight) -> None:
     if problem is not None:
         raise ValueError(f"default_weight_loader: {problem}")
     with torch.no_grad():
-        param.data.copy_(loaded_weight[...])
+        part = loaded_weight[...]
+        if not isinstance(loaded_weight, LazyTensor) or not loaded_weight.copy_to(param.data, part):
+            param.data.copy_(part)
 
 
 def load_weights(

@@ -2,7 +2,8 @@
 
 A loaded weight is a ``torch.Tensor`` or a lazy handle (``tpkit.loaders``); only ``.shape`` and
 ``.narrow(dim, start, length)`` are used, and ``narrow`` of a handle reads just those bytes, so a rank never
-materialises more of a checkpoint tensor than its shard.
+materialises more of a checkpoint tensor than its shard. A handle with ``copy_to(dst, part)`` is first asked
+to copy each part itself (into a GPU, a safetensors handle copies by DMA from the file's page cache).
 
 Into a GPU, a large tensor from host memory goes through page-locked buffers in chunks (see
 :func:`_copy_into`); ``TPKIT_LOAD_PINNED=0`` in the environment turns that off.
@@ -113,9 +114,13 @@ def _copy_pieces(param: torch.Tensor, loaded_weight: object, dim: int, pieces: S
     Every piece is read before the first is written, so a failing read leaves the parameter untouched.
     """
     sources = [loaded_weight.narrow(dim, src_start, length) for _, src_start, length in pieces if length]
+    # A lazy handle may copy its part straight from the file (into a GPU, by DMA from the page cache).
+    copy_to = getattr(loaded_weight, "copy_to", None)
     with torch.no_grad():
         for (dst_start, _, length), source in zip([p for p in pieces if p[2]], sources, strict=True):
-            _copy_into(param.narrow(dim, dst_start, length), source)
+            dst = param.narrow(dim, dst_start, length)
+            if copy_to is None or not copy_to(dst, source):
+                _copy_into(dst, source)
 
 
 def _copy_whole(param: torch.Tensor, loaded_weight: object) -> None:
