@@ -29,7 +29,10 @@ _MIN_BYTES = 2**20
 # Registered and copied a piece at a time, so that registering the next piece overlaps the copy of this one
 # (one registration of 2 GiB, then one copy: 86 ms against 53 ms in 64 MiB pieces). A multiple of the page.
 _PIECE_BYTES = 64 * 2**20
-_HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly: the driver pins the pages without asking to write
+# cudaHostRegisterReadOnly (8): the driver pins the pages without asking to write them; and
+# cudaHostRegisterPortable (1): pinned for every device's context, not only the calling thread's current
+# device (a loader thread's is device 0 even where it copies into another).
+_HOST_REGISTER_FLAGS = 8 | 1
 
 Register = Callable[[int, int], bool]  # (address, nbytes) -> registered
 Unregister = Callable[[int], None]  # (address)
@@ -64,7 +67,7 @@ def copy_file_range(dst: torch.Tensor, path: Path, offset: int) -> None:
     def register(address: int, nbytes: int) -> bool:
         if _State.failed:  # another piece or thread found it cannot be done
             return False
-        if int(cudart.cudaHostRegister(address, nbytes, _HOST_REGISTER_READ_ONLY)) == 0:
+        if int(cudart.cudaHostRegister(address, nbytes, _HOST_REGISTER_FLAGS)) == 0:
             return True
         _State.failed = True
         _clear_cuda_error(dst.device)
