@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -36,6 +37,7 @@ from tpkit.loaders import (
     load_weights,
     reset_bytes_read,
 )
+from tpkit.loaders import load as _load_module
 from tpkit.models import LlamaForCausalLM as TpkitLlama
 from tpkit.parallel_layers import ColumnParallelLinear, RowParallelLinear, TPGroup, _loading
 
@@ -494,6 +496,26 @@ def test_threads_load_exactly_what_one_thread_loads(checkpoints, monkeypatch):
         assert torch.equal(tensor, states[1][name]), name
 
 
+def test_default_threads_follow_where_the_copies_run(monkeypatch):
+    """Without an argument or TPKIT_LOAD_THREADS: one thread where every parameter is on a GPU and direct
+    copies are on (the CPU copies nothing there), else up to 4."""
+    def loads(*device_types: str) -> list:
+        return [SimpleNamespace(target=SimpleNamespace(tensor=SimpleNamespace(device=torch.device(t))))
+                for t in device_types]
+
+    monkeypatch.delenv("TPKIT_LOAD_DMA", raising=False)
+    monkeypatch.setattr(_direct_copy._State, "failed", False)
+    up_to_4 = min(4, os.cpu_count() or 1)
+    assert _load_module._default_num_threads(loads("cuda", "cuda")) == 1
+    assert _load_module._default_num_threads(loads("cuda", "cpu")) == up_to_4
+    assert _load_module._default_num_threads(loads("cpu")) == up_to_4
+    monkeypatch.setenv("TPKIT_LOAD_DMA", "0")
+    assert _load_module._default_num_threads(loads("cuda")) == up_to_4
+    assert _load_module._num_threads(None) is None
+    monkeypatch.setenv("TPKIT_LOAD_THREADS", "3")
+    assert _load_module._num_threads(None) == 3 and _load_module._num_threads(2) == 2
+
+
 class _Recording(nn.Module):
     """Parameters of three shards each, whose loader records how many calls run at once per parameter and
     on which threads, and fails (on real data only) where told to."""
@@ -743,12 +765,12 @@ def test_direct_copy_file_offset_of_parts(tmp_path):
 
 @pytest.mark.parametrize("failing_piece", [None, 0, 2])
 def test_direct_copy_pieces_and_registrations(tmp_path, monkeypatch, failing_piece):
-    """The piece loop with a CPU destination and recorded page-locking calls: ranges of whole pages, one a
-    piece, not overlapping, covering the part's pages; each unregistered; a piece that fails to register is
-    copied all the same; the bytes are the part's."""
+    """One loading's copies with CPU destinations and recorded page-locking calls: pieces of whole pages,
+    consecutive and not overlapping, each registered once although two parts share pieces; a piece that
+    fails to register is copied all the same; on release every registered piece is unregistered; the bytes
+    are the parts'."""
     weight = _save_bf16(tmp_path / "model.safetensors", 64, 1000)  # 128,000 bytes: 32 pages
     handle = dict(iter_weights(tmp_path))["b.weight"]
-    part = handle.narrow(0, 3, 50)  # starts and ends inside a page
     page = _direct_copy.mmap.PAGESIZE
     monkeypatch.setattr(_direct_copy, "_PIECE_BYTES", 3 * page)
     registered, unregistered = [], []
@@ -758,17 +780,51 @@ def test_direct_copy_pieces_and_registrations(tmp_path, monkeypatch, failing_pie
         registered.append((address, nbytes, ok))
         return ok
 
-    dst = torch.zeros(50, 1000, dtype=torch.bfloat16)
-    _direct_copy._copy_in_pieces(dst, handle.file, handle._file_offset(part), register, unregistered.append)
-    assert torch.equal(dst, weight[3:53])
+    copies = _direct_copy.DirectCopies(register, unregistered.append)
+    rows = [(3, 50), (40, 24)]  # each starts and ends inside a page; they share a piece
+    outputs = [torch.zeros(n, 1000, dtype=torch.bfloat16) for _, n in rows]
+    for (start, n), dst in zip(rows, outputs, strict=True):
+        copies.copy(dst, handle.file, handle._file_offset(handle.narrow(0, start, n)))
+    for (start, n), dst in zip(rows, outputs, strict=True):
+        assert torch.equal(dst, weight[start:start + n])
+    registered.sort()
     assert all(address % page == 0 and nbytes % page == 0 for address, nbytes, _ in registered)
     for (a, n, _), (b, _, _) in itertools.pairwise(registered):
-        assert a + n == b  # consecutive, not overlapping
-    first, last = registered[0][0], registered[-1][0] + registered[-1][1]
-    part_bytes = part.numel() * 2
-    assert last - first >= part_bytes and last - first < part_bytes + 2 * page
-    assert len(registered) == -(-(last - first) // (3 * page))
-    assert unregistered == [address for address, _, ok in registered if ok]
+        assert a + n == b  # consecutive, not overlapping: each piece once
+    base = copies._files[handle.file]._host.data_ptr()  # where the map starts: file offset 0
+    first_byte = handle._file_offset(handle.narrow(0, 3, 1))
+    end_byte = handle._file_offset(handle[:]) + 128_000  # the tensor's end
+    assert registered[0][0] - base == first_byte - first_byte % (3 * page)  # pieces start at multiples
+    assert end_byte <= registered[-1][0] + registered[-1][1] - base < end_byte + 3 * page
+    assert not unregistered
+    copies.release(handle.file)
+    assert sorted(unregistered) == [address for address, _, ok in registered if ok]
+    copies.release(handle.file)  # released already: nothing more
+    assert len(unregistered) == sum(ok for _, _, ok in registered)
+
+
+def test_direct_copy_loading_routes_copies(tmp_path, monkeypatch):
+    """Inside ``loading(copies)`` a thread's copies go through that loading, which keeps its pieces
+    registered until released; outside, each copy registers and unregisters its own."""
+    weight = _save_bf16(tmp_path / "model.safetensors", 256, 1024)
+    handle = dict(iter_weights(tmp_path))["b.weight"]
+    calls = []
+    monkeypatch.setattr(_direct_copy, "_cuda_register", lambda address, n: calls.append("register") or True)
+    monkeypatch.setattr(_direct_copy, "_cuda_unregister", lambda address: calls.append("unregister"))
+    offset = handle._file_offset(handle[:])
+    dst = torch.zeros(256, 1024, dtype=torch.bfloat16)
+    _direct_copy.copy_file_range(dst, handle.file, offset)
+    assert torch.equal(dst, weight) and calls == ["register", "unregister"]
+    calls.clear()
+    with _direct_copy.DirectCopies() as copies, _direct_copy.loading(copies):
+        for _ in range(3):
+            dst.zero_()
+            _direct_copy.copy_file_range(dst, handle.file, offset)
+            assert torch.equal(dst, weight)
+        assert calls == ["register"]
+    assert calls == ["register", "unregister"] and _direct_copy._ACTIVE.copies is None
+    with pytest.raises(ValueError, match=r"inside the file's .* received"):
+        _direct_copy.copy_file_range(dst, handle.file, handle.file.stat().st_size - 100)
 
 
 def test_direct_copy_declines(tmp_path, monkeypatch):
@@ -806,6 +862,21 @@ def test_direct_copy_into_gpu(tmp_path, monkeypatch):
         copy_file_range(dst, path, offset)
 
     monkeypatch.setattr(_direct_copy, "copy_file_range", counting)
+    pinned = []
+    register, unregister = _direct_copy._cuda_register, _direct_copy._cuda_unregister
+
+    def recording_register(address: int, nbytes: int) -> bool:
+        ok = register(address, nbytes)
+        if ok:
+            pinned.append(address)
+        return ok
+
+    def recording_unregister(address: int) -> None:
+        unregister(address)
+        pinned.remove(address)
+
+    monkeypatch.setattr(_direct_copy, "_cuda_register", recording_register)
+    monkeypatch.setattr(_direct_copy, "_cuda_unregister", recording_unregister)
     model = nn.Module()
     model.up = ColumnParallelLinear(1024, 3000, bias=False, tp_group=SINGLE, params_dtype=torch.bfloat16,
                                     device="cuda")
@@ -815,6 +886,7 @@ def test_direct_copy_into_gpu(tmp_path, monkeypatch):
     load_weights(model, iter_weights(tmp_path), num_threads=4, progress=False)
     assert sorted(direct) == sorted([torch.Size([3000, 1024]), torch.Size([1_500_000])])
     assert not _direct_copy._State.failed
+    assert not pinned  # every piece registered was unregistered once its copies were done
     assert torch.equal(model.up.weight.cpu(), tensors["up.weight"])
     assert torch.equal(model.down.weight.cpu(), tensors["down.weight"].to(torch.bfloat16))
     assert torch.equal(model.scale.cpu(), tensors["scale"])
@@ -826,7 +898,7 @@ def test_direct_copy_into_gpu(tmp_path, monkeypatch):
         param = torch.zeros(3000, 512, dtype=torch.bfloat16, device="cuda")
         _loading._copy_pieces(param, handle, 1, [(0, 512 * rank, 512)])
         assert torch.equal(param.cpu(), tensors["up.weight"][:, 512 * rank:512 * (rank + 1)])
-    assert len(direct) == 4
+    assert len(direct) == 4 and not pinned
     torch.zeros(1, device="cuda").add_(1)  # no CUDA error left behind
     torch.cuda.synchronize()
 

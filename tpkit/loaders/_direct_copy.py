@@ -7,6 +7,13 @@ times (the CPU reads and writes it, the copy engine reads it again); this reads 
 registered in 64 MiB pieces, each piece's copy queued once it was registered: 53 ms (40 GB/s) and 16 ms to
 unregister, against 0.23 s through buffers (``benchmarks/bench_host_copy.py register``).
 
+Registering is the cost, about 25 us a MiB, and registrations on several threads wait on each other. So
+a loading registers each piece of a file once, whichever tensors lie in it, and queues the copies without
+waiting for them. :class:`DirectCopies` holds the file maps and registered pieces of one ``load_weights``
+call, which releases each file once the next one is loaded (so that no more than two files stay
+page-locked, and a file's last copies overlap the next file's first ones). A copy outside such a call is a
+loading of its own, released before it returns.
+
 The map is shared and read-only. The lazy handles' own views are of private (copy-on-write) maps, so that
 a caller may write into what ``t[:]`` returns; registering such a map did not return within 120 s there.
 Where registering fails (a file system whose pages cannot be pinned, no driver support), the process stops
@@ -15,33 +22,42 @@ trying and the caller copies its own way. ``TPKIT_LOAD_DMA=0`` in the environmen
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
-# Smaller parts (norms, biases) are not worth a map and a registration.
+# Smaller parts (norms, biases) are not worth a registration.
 _MIN_BYTES = 2**20
-# Registered and copied a piece at a time, so that registering the next piece overlaps the copy of this one
-# (one registration of 2 GiB, then one copy: 86 ms against 53 ms in 64 MiB pieces). A multiple of the page.
+# Files are registered a piece at a time, on first use, so that one thread's copies run while another
+# registers the next piece (one registration of 2 GiB, then one copy: 86 ms against 53 ms in 64 MiB
+# pieces). A multiple of the page.
 _PIECE_BYTES = 64 * 2**20
 # cudaHostRegisterReadOnly (8): the driver pins the pages without asking to write them; and
 # cudaHostRegisterPortable (1): pinned for every device's context, not only the calling thread's current
-# device (a loader thread's is device 0 even where it copies into another).
+# device.
 _HOST_REGISTER_FLAGS = 8 | 1
 
 Register = Callable[[int, int], bool]  # (address, nbytes) -> registered
 Unregister = Callable[[int], None]  # (address)
 
-_LOCK = threading.Lock()
+_MAP_LOCK = threading.Lock()
 
 
 class _State:
     failed = False  # registering failed once in this process: do not try again
+
+
+class _Active(threading.local):
+    copies: DirectCopies | None = None  # the loading this thread copies for
+
+
+_ACTIVE = _Active()
 
 
 def enabled() -> bool:
@@ -60,73 +76,155 @@ def worth_it(dst: torch.Tensor, part: torch.Tensor) -> bool:
 
 def copy_file_range(dst: torch.Tensor, path: Path, offset: int) -> None:
     """Copies the ``dst.nbytes`` bytes at ``offset`` of the file at ``path`` into ``dst`` (contiguous, on a
-    GPU) by DMA from the page cache, and returns once ``dst`` holds them. Pieces that cannot be registered
-    are copied from the same (pageable) map instead."""
-    cudart = torch.cuda.cudart()
-
-    def register(address: int, nbytes: int) -> bool:
-        if _State.failed:  # another piece or thread found it cannot be done
-            return False
-        if int(cudart.cudaHostRegister(address, nbytes, _HOST_REGISTER_FLAGS)) == 0:
-            return True
-        _State.failed = True
-        _clear_cuda_error(dst.device)
-        warnings.warn("tpkit: could not page-lock a checkpoint file's pages for a direct copy to the GPU; "
-                      "copying through page-locked buffers from now on", RuntimeWarning, stacklevel=4)
-        return False
-
-    _copy_in_pieces(dst, path, offset, register, lambda address: cudart.cudaHostUnregister(address))
+    GPU) by DMA from the page cache. In a loading (:func:`loading`) the copy is queued on dst's current
+    stream and the loading waits for it when it releases the file; otherwise this returns once ``dst``
+    holds the bytes."""
+    copies = _ACTIVE.copies
+    if copies is not None:
+        copies.copy(dst, Path(path), offset)
+        return
+    with DirectCopies() as copies:
+        copies.copy(dst, Path(path), offset)
 
 
-def _copy_in_pieces(dst: torch.Tensor, path: Path, offset: int, register: Register,
-                    unregister: Unregister) -> None:
-    """The copy of :func:`copy_file_range`, with the page-locking calls given: tests pass their own, and a
-    ``dst`` on the CPU, where every copy is synchronous.
-
-    The registered ranges are whole pages, one range a piece, and never overlap (the driver refuses a range
-    that overlaps one registered before); a piece's copy starts at its first byte of the part, which may lie
-    inside its first page. Each range is unregistered once its copy has finished, also after a failure.
-    """
-    nbytes = dst.numel() * dst.element_size()
-    page = mmap.PAGESIZE
-    map_start = offset - offset % mmap.ALLOCATIONGRANULARITY
-    with open(path, "rb") as file:
-        mapped = mmap.mmap(file.fileno(), offset + nbytes - map_start, access=mmap.ACCESS_READ,
-                           offset=map_start)
-    host = _read_only_bytes(mapped)  # [offset + nbytes - map_start] uint8, the map
-    flat = dst.view(-1).view(torch.uint8)  # [nbytes]
-    stream = torch.cuda.current_stream(dst.device) if dst.device.type == "cuda" else None
-    pending: list[tuple[int, torch.cuda.Event | None]] = []  # registered ranges, each with its copy's event
+@contextlib.contextmanager
+def loading(copies: DirectCopies | None) -> Iterator[None]:
+    """In this thread, :func:`copy_file_range` copies for ``copies`` (None: each copy on its own)."""
+    before, _ACTIVE.copies = _ACTIVE.copies, copies
     try:
-        begin, end = offset - map_start, offset - map_start + nbytes  # the part, in map bytes
-        for lo in range(begin - begin % page, end, _PIECE_BYTES):
-            hi = min(lo + _PIECE_BYTES, -(-end // page) * page)
-            piece_lo, piece_hi = max(lo, begin), min(hi, end)
-            address = host.data_ptr() + lo
-            registered = register(address, hi - lo)
-            target = flat[piece_lo - begin:piece_hi - begin]
-            target.copy_(host[piece_lo:piece_hi], non_blocking=registered)
-            if registered:
-                pending.append((address, stream.record_event() if stream is not None else None))
+        yield
     finally:
-        for address, event in pending:
-            if event is not None:
-                event.synchronize()
-            unregister(address)
+        _ACTIVE.copies = before
+
+
+class DirectCopies:
+    """The file maps and registered pieces of one loading. ``register`` and ``unregister`` stand in for the
+    driver's calls in tests, whose destinations are on the CPU (where every copy is synchronous).
+
+    Pieces are whole pages of the file, ``_PIECE_BYTES`` each (the last one shorter), never overlapping (the
+    driver refuses a range that overlaps one registered before), registered on first use, each once; a
+    copy is cut at the pieces' bounds, one copy a piece. A piece that fails to register is copied from the
+    same, pageable, map (synchronously). Thread-safe: the loaders of several threads copy through one.
+    """
+
+    def __init__(self, register: Register | None = None, unregister: Unregister | None = None):
+        self._register = register or _cuda_register
+        self._unregister = unregister or _cuda_unregister
+        self._files: dict[Path, _MappedFile] = {}
+        self._lock = threading.Lock()
+
+    def copy(self, dst: torch.Tensor, path: Path, offset: int) -> None:
+        with self._lock:
+            file = self._files.get(path)
+            if file is None:
+                file = self._files[path] = _MappedFile(path)
+        file.copy(dst, offset, self._register)
+
+    def release(self, path: Path) -> None:
+        """Waits for the copies from ``path``, then unregisters its pieces and drops its map."""
+        with self._lock:
+            file = self._files.pop(Path(path), None)
+        if file is not None:
+            file.close(self._unregister)
+
+    def close(self) -> None:
+        """Releases every file, also after a failed copy."""
+        errors = []
+        for path in list(self._files):
+            try:
+                self.release(path)
+            except Exception as error:  # noqa: BLE001 - the others are released all the same
+                errors.append(error)
+        if errors:
+            raise errors[0]
+
+    def __enter__(self) -> DirectCopies:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class _MappedFile:
+    """One file, mapped whole, shared and read-only; its registered pieces and the streams copying from it."""
+
+    def __init__(self, path: Path):
+        with open(path, "rb") as handle:
+            self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        self._host = _read_only_bytes(self._map)  # [file size] uint8
+        self._pieces: dict[int, bool] = {}  # first byte -> registered
+        self._streams: set[torch.cuda.Stream] = set()
+        self._lock = threading.Lock()
+
+    def copy(self, dst: torch.Tensor, offset: int, register: Register) -> None:
+        nbytes = dst.numel() * dst.element_size()
+        if offset < 0 or offset + nbytes > self._host.numel():
+            raise ValueError(f"direct copy: expected bytes inside the file's {self._host.numel()}, received "
+                             f"[{offset}, {offset + nbytes})")
+        flat = dst.view(-1).view(torch.uint8)  # [nbytes]
+        stream = torch.cuda.current_stream(dst.device) if dst.device.type == "cuda" else None
+        end = offset + nbytes
+        for lo in range(offset - offset % _PIECE_BYTES, end, _PIECE_BYTES):
+            registered = self._registered(lo, register)
+            piece_lo, piece_hi = max(lo, offset), min(lo + _PIECE_BYTES, end)
+            flat[piece_lo - offset:piece_hi - offset].copy_(self._host[piece_lo:piece_hi],
+                                                             non_blocking=registered)
+        if stream is not None:
+            with self._lock:
+                self._streams.add(stream)
+
+    def _registered(self, lo: int, register: Register) -> bool:
+        """Whether the piece at ``lo`` is registered, registering it on first use."""
+        with self._lock:
+            registered = self._pieces.get(lo)
+            if registered is None:
+                hi = min(lo + _PIECE_BYTES, -(-self._host.numel() // mmap.PAGESIZE) * mmap.PAGESIZE)
+                registered = self._pieces[lo] = register(self._host.data_ptr() + lo, hi - lo)
+            return registered
+
+    def close(self, unregister: Unregister) -> None:
+        """Waits for the copies, then unregisters the pieces (also where waiting failed: a CUDA error)."""
+        with self._lock:
+            try:
+                for stream in self._streams:
+                    stream.synchronize()
+            finally:
+                for lo, registered in self._pieces.items():
+                    if registered:
+                        unregister(self._host.data_ptr() + lo)
+                self._pieces.clear()
+                self._streams.clear()
+                self._host = torch.empty(0, dtype=torch.uint8)  # the map is unmapped with its last view
+
+
+def _cuda_register(address: int, nbytes: int) -> bool:
+    if _State.failed:  # another piece or thread found it cannot be done
+        return False
+    if int(torch.cuda.cudart().cudaHostRegister(address, nbytes, _HOST_REGISTER_FLAGS)) == 0:
+        return True
+    _State.failed = True
+    _clear_cuda_error()
+    warnings.warn("tpkit: could not page-lock a checkpoint file's pages for a direct copy to the GPU; "
+                  "copying through page-locked buffers from now on", RuntimeWarning, stacklevel=2)
+    return False
+
+
+def _cuda_unregister(address: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(address)
 
 
 def _read_only_bytes(mapped: mmap.mmap) -> torch.Tensor:
     """The map as a uint8 tensor. torch warns once that it cannot mark a tensor read-only; nothing writes
     into this one."""
-    with _LOCK, warnings.catch_warnings():
+    with _MAP_LOCK, warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
         return torch.frombuffer(mapped, dtype=torch.uint8)
 
 
-def _clear_cuda_error(device: torch.device) -> None:
+def _clear_cuda_error() -> None:
     """A failed runtime call leaves its error as this thread's last CUDA error, where torch's next kernel
     launch check would report it as that kernel's; a launch here takes it (and raises it) first."""
     try:
-        torch.empty(1, device=device).zero_()
+        torch.empty(1, device="cuda").zero_()
     except RuntimeError:
         pass

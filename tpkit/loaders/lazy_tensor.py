@@ -134,8 +134,9 @@ class LazyTensor(ABC):
     def copy_to(self, dst: torch.Tensor, part: torch.Tensor) -> bool:
         """Copies ``part``, a tensor this handle returned (``narrow`` or ``[...]``), into ``dst`` (the same
         shape and dtype) straight from the file, where that is faster than copying the view. Returns True
-        once ``dst`` holds it; False, having written nothing, where it is not: the caller then copies
-        ``part``.
+        once ``dst`` holds it, or, inside ``load_weights``, once the copy is queued on dst's current
+        stream (the call waits for it before it returns); False, having written nothing, where it is not
+        faster: the caller then copies ``part``.
 
         Into a GPU, a contiguous part of 1 MiB or more of a safetensors file is copied by DMA from the page
         cache, page-locked in place, so the host's CPU never copies its bytes (``TPKIT_LOAD_DMA=0`` turns

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from tqdm.auto import tqdm
 
+from . import _direct_copy
 from .errors import WeightsMismatchError
 from .lazy_tensor import LazyTensor, _MetaTensor, bytes_read
 
@@ -96,8 +97,9 @@ def load_weights(
     - ``progress``: a tqdm bar over checkpoint files on rank 0; None shows it unless the environment
       sets ``TPKIT_DISABLE_PROGRESS=1``.
     - ``num_threads``: threads that run the weight loaders once everything is checked; None takes
-      ``TPKIT_LOAD_THREADS`` from the environment, else up to 4 (fewer on machines with fewer CPUs). 1 runs
-      them in the calling thread.
+      ``TPKIT_LOAD_THREADS`` from the environment, else 1 where every parameter is on a GPU and copies from
+      files by DMA are on (``TPKIT_LOAD_DMA``), otherwise up to 4 (fewer on machines with fewer CPUs). 1
+      runs them in the calling thread.
 
     Shapes, dtypes (values are cast to the parameter's dtype; a float tensor into an integer parameter is
     refused), duplicates and, with ``strict``, names are all checked before the first parameter is written.
@@ -125,7 +127,7 @@ def load_weights(
     if plan.problems or (strict and (missing or plan.unexpected)):
         raise WeightsMismatchError(plan.problems, missing if strict else [],
                                    plan.unexpected if strict else [])
-    _execute(plan.loads, _show_progress(progress), num_threads)
+    _execute(plan.loads, _show_progress(progress), num_threads or _default_num_threads(plan.loads))
     return {alias for load in plan.loads for alias in load.target.aliases}
 
 
@@ -261,10 +263,11 @@ def _call_loader(loader: Callable, param: torch.Tensor, weight: Weight, shard: S
 
 def _execute(loads: list[_Load], show_progress: bool, num_threads: int) -> None:
     files = list(dict.fromkeys(load.file for load in loads if load.file is not None))
-    caller = _CallerState.capture(loads)
     start, read_before = time.perf_counter(), bytes_read()
     with (tqdm(total=len(files), unit="file", desc="Loading checkpoint", disable=not show_progress) as bar,
-          ThreadPoolExecutor(num_threads) as pool):
+          _direct_copy.DirectCopies() as direct_copies, ThreadPoolExecutor(num_threads) as pool):
+        caller = _CallerState.capture(loads, direct_copies)
+        previous_file = None
         for file, group in itertools.groupby(loads, key=lambda load: load.file):
             by_target: dict[int, list[_Load]] = {}
             for load in group:
@@ -279,6 +282,11 @@ def _execute(loads: list[_Load], show_progress: bool, num_threads: int) -> None:
                 for future in futures:
                     future.result()
             if file is not None:
+                # The file before stays page-locked until now, so that its last copies to a GPU overlap
+                # this file's first ones: at most two files are page-locked at a time.
+                if previous_file is not None:
+                    direct_copies.release(previous_file)
+                previous_file = file
                 bar.update(1)
     seconds = time.perf_counter() - start
     nbytes = bytes_read() - read_before
@@ -291,16 +299,18 @@ def _execute(loads: list[_Load], show_progress: bool, num_threads: int) -> None:
 class _CallerState:
     """The calling thread's state that its loads must run under on a worker thread (where it is
     thread-local): inference mode (parameters made in it can only be written in it), and per GPU the
-    current stream (so the copies are ordered before what the caller queues next)."""
+    current stream (so the copies are ordered before what the caller queues next); and the loading's
+    direct copies from files (:mod:`._direct_copy`), which the handles' ``copy_to`` finds per thread."""
 
     inference_mode: bool
     streams: dict[torch.device, torch.cuda.Stream]
+    direct_copies: _direct_copy.DirectCopies
 
     @staticmethod
-    def capture(loads: list[_Load]) -> _CallerState:
+    def capture(loads: list[_Load], direct_copies: _direct_copy.DirectCopies) -> _CallerState:
         devices = {load.target.tensor.device for load in loads if load.target.tensor.device.type == "cuda"}
         return _CallerState(torch.is_inference_mode_enabled(),
-                            {device: torch.cuda.current_stream(device) for device in devices})
+                            {device: torch.cuda.current_stream(device) for device in devices}, direct_copies)
 
 
 def _run_loads(loads: list[_Load], caller: _CallerState) -> None:
@@ -309,6 +319,7 @@ def _run_loads(loads: list[_Load], caller: _CallerState) -> None:
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.inference_mode(caller.inference_mode))
         stack.enter_context(torch.no_grad())
+        stack.enter_context(_direct_copy.loading(caller.direct_copies))
         if device.type == "cuda":
             # A thread starts on GPU 0: loaders that allocate on the current device find the parameter's.
             stack.enter_context(torch.cuda.device(device))
@@ -318,11 +329,12 @@ def _run_loads(loads: list[_Load], caller: _CallerState) -> None:
             _call_loader(loader, load.target.tensor, load.weight, load.shard)
 
 
-def _num_threads(num_threads: int | None) -> int:
+def _num_threads(num_threads: int | None) -> int | None:
+    """The number asked for (argument, else environment), checked; None where neither asks."""
     if num_threads is None:
         text = os.environ.get("TPKIT_LOAD_THREADS", "").strip()
         if not text:
-            return min(4, os.cpu_count() or 1)
+            return None
         try:
             num_threads = int(text)
         except ValueError:
@@ -333,6 +345,16 @@ def _num_threads(num_threads: int | None) -> int:
     if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
         raise ValueError(f"{what}: expected a positive integer, got {num_threads!r}")
     return num_threads
+
+
+def _default_num_threads(loads: list[_Load]) -> int:
+    """1 where every parameter is on a GPU and may be copied straight from its file (``._direct_copy``):
+    the CPU then copies nothing, and more threads only contend for the GIL and the process's memory map.
+    A 2 GB load into an H200 at tp_size 1 took 163 / 174 / 223 ms on 1 / 2 / 4 threads that way
+    (BENCHMARKS.md, "Loading into GPUs"). Otherwise up to 4: the CPU copies, and copies release the GIL."""
+    if loads and _direct_copy.enabled() and all(load.target.tensor.device.type == "cuda" for load in loads):
+        return 1
+    return min(4, os.cpu_count() or 1)
 
 
 def _rank() -> int:
