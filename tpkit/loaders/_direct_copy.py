@@ -46,7 +46,7 @@ _HOST_REGISTER_FLAGS = 8 | 1
 Register = Callable[[int, int], bool]  # (address, nbytes) -> registered
 Unregister = Callable[[int], None]  # (address)
 
-_MAP_LOCK = threading.Lock()
+_WARNINGS_LOCK = threading.Lock()  # warnings.catch_warnings is not thread-safe
 
 
 class _State:
@@ -150,8 +150,8 @@ class _MappedFile:
 
     def __init__(self, path: Path):
         with open(path, "rb") as handle:
-            self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
-        self._host = _read_only_bytes(self._map)  # [file size] uint8
+            # [file size] uint8; the tensor holds the only reference to the map, unmapped when the tensor dies
+            self._host = _read_only_bytes(mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ))
         self._pieces: dict[int, bool] = {}  # first byte -> registered
         self._streams: set[torch.cuda.Stream] = set()
         self._lock = threading.Lock()
@@ -194,7 +194,7 @@ class _MappedFile:
                         unregister(self._host.data_ptr() + lo)
                 self._pieces.clear()
                 self._streams.clear()
-                self._host = torch.empty(0, dtype=torch.uint8)  # the map is unmapped with its last view
+                self._host = torch.empty(0, dtype=torch.uint8)  # unmaps the file
 
 
 def _cuda_register(address: int, nbytes: int) -> bool:
@@ -216,7 +216,7 @@ def _cuda_unregister(address: int) -> None:
 def _read_only_bytes(mapped: mmap.mmap) -> torch.Tensor:
     """The map as a uint8 tensor. torch warns once that it cannot mark a tensor read-only; nothing writes
     into this one."""
-    with _MAP_LOCK, warnings.catch_warnings():
+    with _WARNINGS_LOCK, warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
         return torch.frombuffer(mapped, dtype=torch.uint8)
 
