@@ -16,6 +16,10 @@ design, only their times mean something:
   count (resident blocks follow from the occupancy API).
 - ``partitions``: main, but ``TPKIT_DIAG_PARTITIONS=N`` forces the split into N partitions (or the fewest
   that hold the same partition size); the cluster merge still takes splits of up to 8 that fit.
+- ``notiles``: every block does all but its tiles: it starts (block table, query), runs no tile, writes
+  its (meaningless) result, and the merge runs: a wave's fixed cost with no bytes streamed.
+- ``nomerge``: the merge kernel is not launched (a cluster merge still runs inside the attention kernel):
+  with ``main``, what the merge kernel costs.
 
 Edits combine with ``+``: ``noc+stages`` is the copies alone with the stage count forced.
 """
@@ -81,7 +85,21 @@ def _forced_partitions(tree: Path) -> None:
   a->partition_size = best_tiles * kPlanTile;""")
 
 
-EDITS = {"noc": _no_compute, "nold": _no_loads, "stages": _forced_stages, "partitions": _forced_partitions}
+def _no_tiles(tree: Path) -> None:
+    for name in ("paged_attention_mma.cuh", "paged_attention_wgmma.cuh"):
+        _edit(tree / CSRC / name,
+              "  const int num_tiles = end > start ? (end - start + kTileTokens - 1) / kTileTokens : 0;\n",
+              "  const int num_tiles = 0;\n")
+
+
+def _no_merge_kernel(tree: Path) -> None:
+    _edit(tree / CSRC / "paged_attention_launch.cuh",
+          "  if (a->num_partitions <= 1 || a->cluster_merge) return cudaSuccess;\n",
+          "  if (a->num_partitions > 0) return cudaSuccess;\n")
+
+
+EDITS = {"noc": _no_compute, "nold": _no_loads, "stages": _forced_stages, "partitions": _forced_partitions,
+         "notiles": _no_tiles, "nomerge": _no_merge_kernel}
 
 
 def main() -> None:
