@@ -496,12 +496,15 @@ def test_threads_load_exactly_what_one_thread_loads(checkpoints, monkeypatch):
         assert torch.equal(tensor, states[1][name]), name
 
 
-def test_default_threads_follow_where_the_copies_run(monkeypatch):
-    """Without an argument or TPKIT_LOAD_THREADS: one thread where every parameter is on a GPU and direct
-    copies are on (the CPU copies nothing there), else up to 4."""
-    def loads(*device_types: str) -> list:
-        return [SimpleNamespace(target=SimpleNamespace(tensor=SimpleNamespace(device=torch.device(t))))
-                for t in device_types]
+def test_default_threads_follow_where_the_copies_run(checkpoints, monkeypatch):
+    """Without an argument or TPKIT_LOAD_THREADS: one thread where every tensor goes into a GPU from a
+    safetensors file with direct copies on (the CPU copies nothing there), else up to 4."""
+    path, _ = checkpoints["llama_sharded"]
+    handle = next(iter(iter_weights(path)))[1]  # safetensors
+
+    def loads(*device_types: str, weight: object = handle) -> list:
+        return [SimpleNamespace(target=SimpleNamespace(tensor=SimpleNamespace(device=torch.device(t))),
+                                weight=weight) for t in device_types]
 
     monkeypatch.delenv("TPKIT_LOAD_DMA", raising=False)
     monkeypatch.setattr(_direct_copy._State, "failed", False)
@@ -509,6 +512,7 @@ def test_default_threads_follow_where_the_copies_run(monkeypatch):
     assert _load_module._default_num_threads(loads("cuda", "cuda")) == 1
     assert _load_module._default_num_threads(loads("cuda", "cpu")) == up_to_4
     assert _load_module._default_num_threads(loads("cpu")) == up_to_4
+    assert _load_module._default_num_threads(loads("cuda", weight=torch.zeros(2))) == up_to_4  # a tensor
     monkeypatch.setenv("TPKIT_LOAD_DMA", "0")
     assert _load_module._default_num_threads(loads("cuda")) == up_to_4
     assert _load_module._num_threads(None) is None

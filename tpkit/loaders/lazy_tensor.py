@@ -73,6 +73,9 @@ class LazyTensor(ABC):
     where rows are at least a page long.
     """
 
+    # Whether copy_to can copy this handle's parts straight from its file (into a GPU, by DMA).
+    copies_from_file = False
+
     def __init__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, file: Path | None) -> None:
         self.name = name
         self.shape = torch.Size(shape)
@@ -164,6 +167,8 @@ _MAP_ALIGNMENT = math.lcm(2 * 2**20, mmap.ALLOCATIONGRANULARITY)
 
 class _SafetensorsTensor(LazyTensor):
     """A tensor stored at ``data_start`` (absolute file offset) of a safetensors file."""
+
+    copies_from_file = True
 
     def __init__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, file: Path,
                  data_start: int) -> None:

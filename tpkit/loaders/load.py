@@ -97,9 +97,9 @@ def load_weights(
     - ``progress``: a tqdm bar over checkpoint files on rank 0; None shows it unless the environment
       sets ``TPKIT_DISABLE_PROGRESS=1``.
     - ``num_threads``: threads that run the weight loaders once everything is checked; None takes
-      ``TPKIT_LOAD_THREADS`` from the environment, else 1 where every parameter is on a GPU and copies from
-      files by DMA are on (``TPKIT_LOAD_DMA``), otherwise up to 4 (fewer on machines with fewer CPUs). 1
-      runs them in the calling thread.
+      ``TPKIT_LOAD_THREADS`` from the environment, else 1 where every tensor goes into a GPU from a
+      safetensors file with direct copies on (``TPKIT_LOAD_DMA``), otherwise up to 4 (fewer on machines
+      with fewer CPUs). 1 runs them in the calling thread.
 
     Shapes, dtypes (values are cast to the parameter's dtype; a float tensor into an integer parameter is
     refused), duplicates and, with ``strict``, names are all checked before the first parameter is written.
@@ -348,11 +348,14 @@ def _num_threads(num_threads: int | None) -> int | None:
 
 
 def _default_num_threads(loads: list[_Load]) -> int:
-    """1 where every parameter is on a GPU and may be copied straight from its file (``._direct_copy``):
-    the CPU then copies nothing, and more threads only contend for the GIL and the process's memory map.
-    A 2 GB load into an H200 at tp_size 1 took 163 / 174 / 223 ms on 1 / 2 / 4 threads that way
-    (BENCHMARKS.md, "Loading into GPUs"). Otherwise up to 4: the CPU copies, and copies release the GIL."""
-    if loads and _direct_copy.enabled() and all(load.target.tensor.device.type == "cuda" for load in loads):
+    """1 where every tensor goes into a GPU straight from its file (``._direct_copy``; safetensors handles,
+    direct copies on): the CPU then copies nothing, and more threads only contend for the GIL and the
+    process's memory map. A 2 GB load into an H200 at tp_size 1 took 163 / 174 / 223 ms on 1 / 2 / 4 threads
+    that way (BENCHMARKS.md, "Loading into GPUs"). Otherwise up to 4: the CPU copies, and copies release
+    the GIL."""
+    if loads and _direct_copy.enabled() and all(
+            load.target.tensor.device.type == "cuda" and getattr(load.weight, "copies_from_file", False)
+            for load in loads):
         return 1
     return min(4, os.cpu_count() or 1)
 
