@@ -13,10 +13,14 @@ contention):
 - ``_full``: mapping a tensor's bytes (one private map per tensor); ``_take``: a part's read-ahead advice;
 - ``copy_file_range``: direct copies from the page cache, with ``register`` and ``unregister`` (the
   driver's page-locking calls) and ``release`` (waiting for a file's copies, then unlocking its pages);
+- ``make_room``: unpinning the oldest pieces, with ``wait`` (for their copies) and ``drop_pages``;
 - ``staged _copy_into``: copies through page-locked buffers;
 - ``_run_loads``: one parameter's weight loaders, all of the above included.
 
-The default variants are 1, 2 and 4 threads with direct copies and 4 threads without them.
+The default variants are 1, 2 and 4 threads with direct copies and 4 threads without them. A variant may
+also set ``PROFILE_MAX_PINNED_MIB`` (how many MiB a loading keeps page-locked) and
+``PROFILE_FROM_PRETRAINED=1`` (each load a ``tpkit.models.from_pretrained`` call, the model built inside
+the timed call).
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ def _child(path: str, name: str, loads: int, device: str) -> None:
     import torch
 
     from tpkit.loaders import _direct_copy, iter_weights, lazy_tensor, load, resolve_checkpoint
-    from tpkit.models import LlamaForCausalLM
+    from tpkit.models import LlamaForCausalLM, from_pretrained
     from tpkit.parallel_layers import _loading, init_tensor_parallel
 
     stats: dict[str, tuple[int, float]] = {}
@@ -74,6 +78,11 @@ def _child(path: str, name: str, loads: int, device: str) -> None:
     _direct_copy._cuda_unregister = timed("unregister", _direct_copy._cuda_unregister)
     _direct_copy.copy_file_range = timed("copy_file_range", _direct_copy.copy_file_range)
     _direct_copy.DirectCopies.release = timed("release", _direct_copy.DirectCopies.release)
+    _direct_copy.DirectCopies._make_room = timed("make_room", _direct_copy.DirectCopies._make_room)
+    _direct_copy._Piece.wait = timed("wait", _direct_copy._Piece.wait)
+    _direct_copy._MappedFile.drop_pages = timed("drop_pages", _direct_copy._MappedFile.drop_pages)
+    if os.environ.get("PROFILE_MAX_PINNED_MIB"):
+        _direct_copy._MAX_PINNED_BYTES = int(os.environ["PROFILE_MAX_PINNED_MIB"]) * 2**20
     _loading._copy_into = timed("staged _copy_into", _loading._copy_into)
     handle = lazy_tensor._SafetensorsTensor
     handle._full = timed("_full", handle._full)
@@ -83,19 +92,25 @@ def _child(path: str, name: str, loads: int, device: str) -> None:
 
     init_tensor_parallel(1)
     config = json.loads((Path(path) / "config.json").read_text())
-    model = LlamaForCausalLM(config, dtype=torch.bfloat16, device=device)
+    build_in_call = os.environ.get("PROFILE_FROM_PRETRAINED") == "1"
+    model = None if build_in_call else LlamaForCausalLM(config, dtype=torch.bfloat16, device=device)
     synchronize = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     for attempt in range(loads):
         stats.clear()
         synchronize()
         start = time.perf_counter()
-        model.load_weights(iter_weights(resolve_checkpoint(path)))
+        if build_in_call:
+            model = from_pretrained(path, dtype=torch.bfloat16, device=device)
+        else:
+            model.load_weights(iter_weights(resolve_checkpoint(path)))
         synchronize()
         wall = time.perf_counter() - start
         stages = "; ".join(f"{stage} {calls}x {seconds * 1e3:.1f} ms"
                            for stage, (calls, seconds) in sorted(stats.items()))
         print(f"{name} load {attempt}: {wall * 1e3:.1f} ms (direct copies failed: "
               f"{_direct_copy._State.failed}); {stages}", flush=True)
+        if build_in_call:
+            model = None
 
 
 def main() -> None:

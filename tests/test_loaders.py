@@ -795,7 +795,7 @@ def test_direct_copy_pieces_and_registrations(tmp_path, monkeypatch, failing_pie
     assert all(address % page == 0 and nbytes % page == 0 for address, nbytes, _ in registered)
     for (a, n, _), (b, _, _) in itertools.pairwise(registered):
         assert a + n == b  # consecutive, not overlapping: each piece once
-    base = copies._files[handle.file]._host.data_ptr()  # where the map starts: file offset 0
+    base = copies._files[handle.file].host.data_ptr()  # where the map starts: file offset 0
     first_byte = handle._file_offset(handle.narrow(0, 3, 1))
     end_byte = handle._file_offset(handle[:]) + 128_000  # the tensor's end
     assert registered[0][0] - base == first_byte - first_byte % (3 * page)  # pieces start at multiples
@@ -805,6 +805,45 @@ def test_direct_copy_pieces_and_registrations(tmp_path, monkeypatch, failing_pie
     assert sorted(unregistered) == [address for address, _, ok in registered if ok]
     copies.release(handle.file)  # released already: nothing more
     assert len(unregistered) == sum(ok for _, _, ok in registered)
+
+
+def test_direct_copy_pinned_bytes_bounded(tmp_path, monkeypatch):
+    """With room for two pieces: a registration never takes the pinned bytes past that; pieces are
+    registered in file order, each once, and unregistered oldest first; a piece needed again after that is
+    registered again; the bytes are the tensor's; on release nothing stays pinned."""
+    weight = _save_bf16(tmp_path / "model.safetensors", 64, 1000)  # 128,000 bytes: 32 pages
+    handle = dict(iter_weights(tmp_path))["b.weight"]
+    page = _direct_copy.mmap.PAGESIZE
+    monkeypatch.setattr(_direct_copy, "_PIECE_BYTES", 3 * page)
+    monkeypatch.setattr(_direct_copy, "_MAX_PINNED_BYTES", 6 * page)
+    pinned: dict[int, int] = {}
+    calls = []
+
+    def register(address: int, nbytes: int) -> bool:
+        assert sum(pinned.values()) + nbytes <= 6 * page
+        pinned[address] = nbytes
+        calls.append(("register", address))
+        return True
+
+    def unregister(address: int) -> None:
+        del pinned[address]
+        calls.append(("unregister", address))
+
+    copies = _direct_copy.DirectCopies(register, unregister)
+    dst = torch.zeros(64, 1000, dtype=torch.bfloat16)
+    copies.copy(dst, handle.file, handle._file_offset(handle[:]))
+    assert torch.equal(dst, weight)
+    registered = [address for call, address in calls if call == "register"]
+    unregistered = [address for call, address in calls if call == "unregister"]
+    assert len(registered) >= 11 and registered == sorted(set(registered))
+    assert unregistered == registered[:-2] and len(pinned) == 2
+    calls.clear()
+    first_rows = torch.zeros(2, 1000, dtype=torch.bfloat16)
+    copies.copy(first_rows, handle.file, handle._file_offset(handle.narrow(0, 0, 2)))
+    assert torch.equal(first_rows, weight[:2])
+    assert calls == [("unregister", registered[-2]), ("register", registered[0])]
+    copies.release(handle.file)
+    assert not pinned
 
 
 def test_direct_copy_loading_routes_copies(tmp_path, monkeypatch):

@@ -10,9 +10,10 @@ unregister, against 0.23 s through buffers (``benchmarks/bench_host_copy.py regi
 Registering is the cost, about 25 us a MiB, and registrations on several threads wait on each other. So
 a loading registers each piece of a file once, whichever tensors lie in it, and queues the copies without
 waiting for them. :class:`DirectCopies` holds the file maps and registered pieces of one ``load_weights``
-call, which releases each file once the next one is loaded (so that no more than two files stay
-page-locked, and a file's last copies overlap the next file's first ones). A copy outside such a call is a
-loading of its own, released before it returns.
+call: it keeps at most ``_MAX_PINNED_BYTES`` page-locked, unregistering the oldest pieces as it registers
+new ones, and the call releases each file once the next one is loaded (so that a file's last copies
+overlap the next file's first ones). A copy outside such a call is a loading of its own, released before
+it returns.
 
 The map is shared and read-only. The lazy handles' own views are of private (copy-on-write) maps, so that
 a caller may write into what ``t[:]`` returns; registering such a map did not return within 120 s there.
@@ -22,6 +23,7 @@ trying and the caller copies its own way. ``TPKIT_LOAD_DMA=0`` in the environmen
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import mmap
 import os
@@ -38,6 +40,11 @@ _MIN_BYTES = 2**20
 # registers the next piece (one registration of 2 GiB, then one copy: 86 ms against 53 ms in 64 MiB
 # pieces). A multiple of the page.
 _PIECE_BYTES = 64 * 2**20
+# Pinned pages are the process's memory while they are pinned (its peak counts them), so a loading keeps
+# at most this many registered: 4 pieces. Registering a piece takes about as long as copying it (both near
+# 40 GB/s on the H200's host), so the copy engine trails registration by about a piece, and the oldest of
+# four is copied by the time it is unregistered.
+_MAX_PINNED_BYTES = 4 * _PIECE_BYTES
 # cudaHostRegisterReadOnly (8): the driver pins the pages without asking to write them; and
 # cudaHostRegisterPortable (1): pinned for every device's context, not only the calling thread's current
 # device.
@@ -102,15 +109,20 @@ class DirectCopies:
     driver's calls in tests, whose destinations are on the CPU (where every copy is synchronous).
 
     Pieces are whole pages of the file, ``_PIECE_BYTES`` each (the last one shorter), never overlapping (the
-    driver refuses a range that overlaps one registered before), registered on first use, each once; a
-    copy is cut at the pieces' bounds, one copy a piece. A piece that fails to register is copied from the
-    same, pageable, map (synchronously). Thread-safe: the loaders of several threads copy through one.
+    driver refuses a range that overlaps one registered before), registered on first use; a copy is cut at
+    the pieces' bounds, one copy a piece. At most ``_MAX_PINNED_BYTES`` stay registered: to make room, the
+    oldest piece no copy is being queued from waits for its copies, is unregistered and leaves the process's
+    page tables (a piece needed again later is registered again). A piece that fails to register is copied
+    from the same, pageable, map (synchronously). Thread-safe: the loaders of several threads copy through
+    one.
     """
 
     def __init__(self, register: Register | None = None, unregister: Unregister | None = None):
         self._register = register or _cuda_register
         self._unregister = unregister or _cuda_unregister
         self._files: dict[Path, _MappedFile] = {}
+        self._pinned: collections.deque[_Piece] = collections.deque()  # registered pieces, oldest first
+        self._pinned_bytes = 0
         self._lock = threading.Lock()
 
     def copy(self, dst: torch.Tensor, path: Path, offset: int) -> None:
@@ -118,14 +130,76 @@ class DirectCopies:
             file = self._files.get(path)
             if file is None:
                 file = self._files[path] = _MappedFile(path)
-        file.copy(dst, offset, self._register)
+        nbytes = dst.numel() * dst.element_size()
+        if offset < 0 or offset + nbytes > file.host.numel():
+            raise ValueError(f"direct copy: expected bytes inside the file's {file.host.numel()}, received "
+                             f"[{offset}, {offset + nbytes})")
+        flat = dst.view(-1).view(torch.uint8)  # [nbytes]
+        stream = torch.cuda.current_stream(dst.device) if dst.device.type == "cuda" else None
+        end = offset + nbytes
+        for lo in range(offset - offset % _PIECE_BYTES, end, _PIECE_BYTES):
+            piece = self._acquire(file, lo)
+            try:
+                piece_lo, piece_hi = max(lo, offset), min(lo + _PIECE_BYTES, end)
+                flat[piece_lo - offset:piece_hi - offset].copy_(file.host[piece_lo:piece_hi],
+                                                                 non_blocking=piece.registered)
+            finally:
+                with self._lock:
+                    piece.users -= 1
+                    if stream is not None and piece.registered:
+                        piece.copied_on(stream)
+
+    def _acquire(self, file: _MappedFile, lo: int) -> _Piece:
+        """The piece at ``lo``, registered on first use, in use until the caller has queued its copy."""
+        with self._lock:
+            piece = file.pieces.get(lo)
+            if piece is None:
+                nbytes = min(_PIECE_BYTES, file.mapped_bytes - lo)
+                self._make_room(nbytes)
+                piece = file.pieces[lo] = _Piece(file, lo, nbytes, self._register(file.address(lo), nbytes))
+                if piece.registered:
+                    self._pinned.append(piece)
+                    self._pinned_bytes += nbytes
+            piece.users += 1
+            return piece
+
+    def _make_room(self, nbytes: int) -> None:
+        """Unpins the oldest idle pieces until ``nbytes`` more fit (with the lock held)."""
+        while self._pinned_bytes + nbytes > _MAX_PINNED_BYTES:
+            idle = next((piece for piece in self._pinned if not piece.users), None)
+            if idle is None:  # every one is being copied from on another thread: go over for now
+                return
+            self._pinned.remove(idle)
+            del idle.file.pieces[idle.lo]
+            self._unpin(idle)
+            idle.file.drop_pages(idle.lo, idle.nbytes)
+
+    def _unpin(self, piece: _Piece) -> None:
+        """Waits for the piece's copies, then unregisters it (also where waiting failed: a CUDA error)."""
+        try:
+            piece.wait()
+        finally:
+            self._pinned_bytes -= piece.nbytes
+            self._unregister(piece.file.address(piece.lo))
 
     def release(self, path: Path) -> None:
         """Waits for the copies from ``path``, then unregisters its pieces and drops its map."""
         with self._lock:
             file = self._files.pop(Path(path), None)
-        if file is not None:
-            file.close(self._unregister)
+            if file is None:
+                return
+            pieces = [piece for piece in file.pieces.values() if piece.registered]
+            file.pieces.clear()
+            errors = []
+            for piece in pieces:
+                self._pinned.remove(piece)
+                try:
+                    self._unpin(piece)
+                except Exception as error:  # noqa: BLE001 - the others are unregistered all the same
+                    errors.append(error)
+            file.close()
+        if errors:
+            raise errors[0]
 
     def close(self) -> None:
         """Releases every file, also after a failed copy."""
@@ -146,55 +220,46 @@ class DirectCopies:
 
 
 class _MappedFile:
-    """One file, mapped whole, shared and read-only; its registered pieces and the streams copying from it."""
+    """One file, mapped whole, shared and read-only, and its pieces (first byte -> piece)."""
 
     def __init__(self, path: Path):
         with open(path, "rb") as handle:
-            # [file size] uint8; the tensor holds the only reference to the map, unmapped when the tensor dies
-            self._host = _read_only_bytes(mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ))
-        self._pieces: dict[int, bool] = {}  # first byte -> registered
-        self._streams: set[torch.cuda.Stream] = set()
-        self._lock = threading.Lock()
+            self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        self.host = _read_only_bytes(self._map)  # [file size] uint8; the map lives while a view does
+        self.mapped_bytes = -(-self.host.numel() // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages
+        self.pieces: dict[int, _Piece] = {}
 
-    def copy(self, dst: torch.Tensor, offset: int, register: Register) -> None:
-        nbytes = dst.numel() * dst.element_size()
-        if offset < 0 or offset + nbytes > self._host.numel():
-            raise ValueError(f"direct copy: expected bytes inside the file's {self._host.numel()}, received "
-                             f"[{offset}, {offset + nbytes})")
-        flat = dst.view(-1).view(torch.uint8)  # [nbytes]
-        stream = torch.cuda.current_stream(dst.device) if dst.device.type == "cuda" else None
-        end = offset + nbytes
-        for lo in range(offset - offset % _PIECE_BYTES, end, _PIECE_BYTES):
-            registered = self._registered(lo, register)
-            piece_lo, piece_hi = max(lo, offset), min(lo + _PIECE_BYTES, end)
-            flat[piece_lo - offset:piece_hi - offset].copy_(self._host[piece_lo:piece_hi],
-                                                             non_blocking=registered)
-        if stream is not None:
-            with self._lock:
-                self._streams.add(stream)
+    def address(self, offset: int) -> int:
+        return self.host.data_ptr() + offset
 
-    def _registered(self, lo: int, register: Register) -> bool:
-        """Whether the piece at ``lo`` is registered, registering it on first use."""
-        with self._lock:
-            registered = self._pieces.get(lo)
-            if registered is None:
-                hi = min(lo + _PIECE_BYTES, -(-self._host.numel() // mmap.PAGESIZE) * mmap.PAGESIZE)
-                registered = self._pieces[lo] = register(self._host.data_ptr() + lo, hi - lo)
-            return registered
+    def drop_pages(self, offset: int, nbytes: int) -> None:
+        """Takes the pages out of the process's page tables (they stay in the page cache): pages pinned
+        once were mapped in, and would count in the process's memory until the map is dropped."""
+        self._map.madvise(mmap.MADV_DONTNEED, offset, min(nbytes, len(self._map) - offset))
 
-    def close(self, unregister: Unregister) -> None:
-        """Waits for the copies, then unregisters the pieces (also where waiting failed: a CUDA error)."""
-        with self._lock:
-            try:
-                for stream in self._streams:
-                    stream.synchronize()
-            finally:
-                for lo, registered in self._pieces.items():
-                    if registered:
-                        unregister(self._host.data_ptr() + lo)
-                self._pieces.clear()
-                self._streams.clear()
-                self._host = torch.empty(0, dtype=torch.uint8)  # unmaps the file
+    def close(self) -> None:
+        self.pieces.clear()
+        self.host = torch.empty(0, dtype=torch.uint8)
+        self._map = None  # unmapped once no view of it is left
+
+
+class _Piece:
+    """A registered (or failed to register) range of a file: ``nbytes`` at ``lo``."""
+
+    def __init__(self, file: _MappedFile, lo: int, nbytes: int, registered: bool):
+        self.file, self.lo, self.nbytes, self.registered = file, lo, nbytes, registered
+        self.users = 0  # copies being queued from it: it may not be unregistered under them
+        self._copied: dict[torch.cuda.Stream, torch.cuda.Event] = {}  # recorded after its latest copy
+
+    def copied_on(self, stream: torch.cuda.Stream) -> None:
+        event = self._copied.get(stream)
+        if event is None:
+            event = self._copied[stream] = torch.cuda.Event()
+        event.record(stream)
+
+    def wait(self) -> None:
+        for event in self._copied.values():
+            event.synchronize()
 
 
 def _cuda_register(address: int, nbytes: int) -> bool:

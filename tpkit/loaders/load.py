@@ -282,8 +282,8 @@ def _execute(loads: list[_Load], show_progress: bool, num_threads: int) -> None:
                 for future in futures:
                     future.result()
             if file is not None:
-                # The file before stays page-locked until now, so that its last copies to a GPU overlap
-                # this file's first ones: at most two files are page-locked at a time.
+                # The file before is released only now, so that its last copies to a GPU overlap this
+                # file's first ones.
                 if previous_file is not None:
                     direct_copies.release(previous_file)
                 previous_file = file
