@@ -807,10 +807,20 @@ def test_direct_copy_pieces_and_registrations(tmp_path, monkeypatch, failing_pie
     assert len(unregistered) == sum(ok for _, _, ok in registered)
 
 
+def _mapped_kib(address: int) -> int:
+    """The resident KiB of the mapping that starts at ``address`` (/proc/self/smaps)."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        if re.match(rf"{address:x}-", line) or re.match(rf"0*{address:x}-", line):
+            return next(int(entry.split()[1]) for entry in lines[i + 1:] if entry.startswith("Rss:"))
+    raise AssertionError(f"no mapping starts at {address:#x}")
+
+
 def test_direct_copy_pinned_bytes_bounded(tmp_path, monkeypatch):
     """With room for two pieces: a registration never takes the pinned bytes past that; pieces are
     registered in file order, each once, and unregistered oldest first; a piece needed again after that is
-    registered again; the bytes are the tensor's; on release nothing stays pinned."""
+    registered again; the bytes are the tensor's; unpinned pages leave the process's page tables; on release
+    nothing stays pinned."""
     weight = _save_bf16(tmp_path / "model.safetensors", 64, 1000)  # 128,000 bytes: 32 pages
     handle = dict(iter_weights(tmp_path))["b.weight"]
     page = _direct_copy.mmap.PAGESIZE
@@ -837,6 +847,11 @@ def test_direct_copy_pinned_bytes_bounded(tmp_path, monkeypatch):
     unregistered = [address for call, address in calls if call == "unregister"]
     assert len(registered) >= 11 and registered == sorted(set(registered))
     assert unregistered == registered[:-2] and len(pinned) == 2
+    file = copies._files[handle.file]
+    # The copies read all 32 pages through the map; unpinned pieces left the process's page tables. Mapped
+    # now: the two pinned pieces and what the last read fault mapped around it (64 KiB, fault_around_bytes).
+    if Path("/proc/self/smaps").exists():
+        assert _mapped_kib(file.host.data_ptr()) * 1024 <= 6 * page + 64 * 1024 < 32 * page
     calls.clear()
     first_rows = torch.zeros(2, 1000, dtype=torch.bfloat16)
     copies.copy(first_rows, handle.file, handle._file_offset(handle.narrow(0, 0, 2)))
