@@ -84,8 +84,8 @@ def worth_it(dst: torch.Tensor, part: torch.Tensor) -> bool:
 def copy_file_range(dst: torch.Tensor, path: Path, offset: int) -> None:
     """Copies the ``dst.nbytes`` bytes at ``offset`` of the file at ``path`` into ``dst`` (contiguous, on a
     GPU) by DMA from the page cache. In a loading (:func:`loading`) the copy is queued on dst's current
-    stream and the loading waits for it when it releases the file; otherwise this returns once ``dst``
-    holds the bytes."""
+    stream and the loading waits for it before it unpins the pages (to make room, or when it releases the
+    file); otherwise this returns once ``dst`` holds the bytes."""
     copies = _ACTIVE.copies
     if copies is not None:
         copies.copy(dst, Path(path), offset)
