@@ -861,6 +861,60 @@ def test_direct_copy_pinned_bytes_bounded(tmp_path, monkeypatch):
     assert not pinned
 
 
+def test_direct_copy_threads_share_pieces(tmp_path, monkeypatch):
+    """Four threads copying rows of one tensor through one loading, with room for three pieces: no
+    registration overlaps a pinned range, none is of a piece in use by another thread's copy (it is never
+    unpinned under it), every row arrives, and on close nothing stays pinned."""
+    weight = _save_bf16(tmp_path / "model.safetensors", 512, 1000)  # 1,024,000 bytes: 250 pages
+    handle = dict(iter_weights(tmp_path))["b.weight"]
+    page = _direct_copy.mmap.PAGESIZE
+    monkeypatch.setattr(_direct_copy, "_PIECE_BYTES", 2 * page)
+    monkeypatch.setattr(_direct_copy, "_MAX_PINNED_BYTES", 6 * page)
+    pinned: dict[int, int] = {}
+    lock = threading.Lock()
+
+    def register(address: int, nbytes: int) -> bool:
+        with lock:
+            assert all(address + nbytes <= a or a + n <= address for a, n in pinned.items())
+            pinned[address] = nbytes
+        time.sleep(0.0005)
+        return True
+
+    def unregister(address: int) -> None:
+        with lock:
+            del pinned[address]
+
+    unpin = _direct_copy.DirectCopies._unpin
+    unpinned = []
+
+    def checked_unpin(self, piece) -> None:
+        assert piece.users == 0  # no copy is being queued from it
+        unpinned.append(piece.lo)
+        unpin(self, piece)
+
+    monkeypatch.setattr(_direct_copy.DirectCopies, "_unpin", checked_unpin)
+    dst = torch.zeros(512, 1000, dtype=torch.bfloat16)
+    with _direct_copy.DirectCopies(register, unregister) as copies:
+        errors = []
+
+        def copy_rows(first: int) -> None:
+            try:
+                for start in range(first, 512, 16):  # each thread every fourth block of 4 rows
+                    part = handle.narrow(0, start, 4)
+                    copies.copy(dst[start:start + 4], handle.file, handle._file_offset(part))
+            except BaseException as error:  # noqa: BLE001 - failed in the test's thread below
+                errors.append(error)
+
+        threads = [threading.Thread(target=copy_rows, args=(4 * i,)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not errors, errors
+        assert sum(pinned.values()) <= 6 * page + 4 * 2 * page  # over only while each thread holds one
+    assert torch.equal(dst, weight) and not pinned and len(unpinned) >= 120
+
+
 def test_direct_copy_loading_routes_copies(tmp_path, monkeypatch):
     """Inside ``loading(copies)`` a thread's copies go through that loading, which keeps its pieces
     registered until released; outside, each copy registers and unregisters its own."""
