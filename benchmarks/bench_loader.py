@@ -11,7 +11,7 @@ load in a fresh process (a first load, as users see it; peak memory its own). Th
 - ``tpkit from_pretrained``: ``tpkit.models.from_pretrained(path, dtype=bfloat16, device="cpu")``, the
   counterpart of transformers' (the model built without random draws, then loaded);
 - ``tpkit``: ``tpkit.models.LlamaForCausalLM.load_weights(iter_weights(path))`` into a model built before
-  the clock, at tp_size 1, and at tp_size 2 on two fresh CPU ranks (gloo), each reading only its shard.
+  the clock, at tp_size 1, and at tp_size 2 on two spawned CPU ranks (gloo), each reading only its shard.
 
 Each contender (and rank) gets two times: ``call``, until its loading call returns, and ``resident``, the call
 plus one pass that reads every byte of every parameter (``max`` over its bytes), the same pass for all. They
@@ -311,11 +311,7 @@ def run_job(job: Callable[..., dict[str, Any]], path: str, device_type: str, *ex
             world_size: int = 1, threads: int = 1) -> list[dict[str, Any]]:
     """Runs ``job(path, device, *extra)`` in ``world_size`` fresh processes (rank r on ``cuda:r`` for
     device_type cuda) and returns their results by rank."""
-    ctx = mp.get_context("forkserver")
-    # Each process is forked from a server that imported this script (torch, transformers and tpkit) once,
-    # so a process starts in about a second instead of re-importing them all (15 s a contender on the H200
-    # host): more rounds fit in a device call. It still starts without CUDA, memory or threads of its own.
-    ctx.set_forkserver_preload(["__main__"])
+    ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
