@@ -3,7 +3,7 @@
 # tp parity and scaling of the Llama-3-8B shapes, and loading into GPUs. Each stage has its own time limit;
 # logs and JSON go to $OUT (at most 8 files come back from the device tool: one log a stage, two JSON).
 #   bash benchmarks/run_multi_gpu.sh                         # every stage, over all visible GPUs
-#   SKIP="parity loader" NPROC=2 bash benchmarks/run_multi_gpu.sh   # stages take up to 300 s: split calls
+#   SKIP="parity loader" NPROC=2 bash benchmarks/run_multi_gpu.sh   # stages take up to 450 s: split calls
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source benchmarks/gpu_stages.sh
@@ -21,7 +21,8 @@ stage tests 300 torchrun --nproc-per-node "$NPROC" -m pytest tests -q -p no:cach
 stage tp_scaling 300 python3 benchmarks/bench_tp_scaling.py --device cuda --shapes 8b --tp-sizes "$TP_SIZES" \
   --cuda-graph --repeats 2 --profile --out "$OUT"
 stage parity 300 python3 benchmarks/check_tp_parity.py --device cuda --shapes 8b --tp-sizes "$TP_SIZES"
-stage loader 300 python3 benchmarks/bench_loader.py --device cuda --tp-sizes "$TP_SIZES" --rounds 2 \
+# Three rounds of fresh processes (about 15 s each) at tp_size 1 and 2: 260-300 s on an H200 host.
+stage loader 450 python3 benchmarks/bench_loader.py --device cuda --tp-sizes "$TP_SIZES" --rounds 3 \
   --json "$OUT/loader_cuda.json"
 
 echo "=== tests"; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/tests.log" | tail -8
