@@ -811,7 +811,7 @@ def _mapped_kib(address: int) -> int:
     """The resident KiB of the mapping that starts at ``address`` (/proc/self/smaps)."""
     lines = Path("/proc/self/smaps").read_text().splitlines()
     for i, line in enumerate(lines):
-        if re.match(rf"{address:x}-", line) or re.match(rf"0*{address:x}-", line):
+        if re.match(rf"0*{address:x}-", line):
             return next(int(entry.split()[1]) for entry in lines[i + 1:] if entry.startswith("Rss:"))
     raise AssertionError(f"no mapping starts at {address:#x}")
 

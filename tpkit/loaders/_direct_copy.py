@@ -169,17 +169,18 @@ class DirectCopies:
             idle = next((piece for piece in self._pinned if not piece.users), None)
             if idle is None:  # every one is being copied from on another thread: go over for now
                 return
-            self._pinned.remove(idle)
             del idle.file.pieces[idle.lo]
             self._unpin(idle)
             idle.file.drop_pages(idle.lo, idle.nbytes)
 
     def _unpin(self, piece: _Piece) -> None:
-        """Waits for the piece's copies, then unregisters it (also where waiting failed: a CUDA error)."""
+        """Waits for the piece's copies, then unregisters it (also where waiting failed: a CUDA error); it
+        leaves the pinned pieces and their count at once (with the lock held)."""
+        self._pinned.remove(piece)
+        self._pinned_bytes -= piece.nbytes
         try:
             piece.wait()
         finally:
-            self._pinned_bytes -= piece.nbytes
             self._unregister(piece.file.address(piece.lo))
 
     def release(self, path: Path) -> None:
@@ -192,7 +193,6 @@ class DirectCopies:
             file.pieces.clear()
             errors = []
             for piece in pieces:
-                self._pinned.remove(piece)
                 try:
                     self._unpin(piece)
                 except Exception as error:  # noqa: BLE001 - the others are unregistered all the same
