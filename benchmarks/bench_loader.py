@@ -452,6 +452,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds of fresh processes, one per contender; the best counts (default 3)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="start no round that would end past this many seconds from the start, judged "
+                        "by the longest round so far (default: no limit)")
     parser.add_argument("--cold", action="store_true",
                         help="sync and drop the page cache before each contender (default: warm cache)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -485,18 +488,33 @@ def main() -> None:
             (job_load_file, (), 1), (job_from_pretrained, (), 1), (job_tpkit_from_pretrained, (), 1),
             *((job_tpkit, (tp_size,), tp_size) for tp_size in tp_sizes)]
         rounds = []
-        for _ in range(args.rounds):
+        longest_round = 0.0
+        for round_index in range(args.rounds):
+            elapsed = time.perf_counter() - start
+            if args.budget_s is not None and rounds and elapsed + longest_round > args.budget_s:
+                print(f"stopping after {len(rounds)} rounds: another would end past --budget-s "
+                      f"{args.budget_s:.0f} s ({elapsed:.0f} s gone, the longest round "
+                      f"{longest_round:.0f} s)",
+                      flush=True)
+                break
+            round_start = time.perf_counter()
             # Contenders take turns, so that a busy spell on a shared machine hits all of them alike.
             rows = []
             for job, job_args, world_size in jobs:
                 prepare_page_cache(path, args.cold)
-                rows += run_job(job, str(path), args.device, *job_args, world_size=world_size,
-                                threads=args.threads)
+                job_start = time.perf_counter()
+                outputs = run_job(job, str(path), args.device, *job_args, world_size=world_size,
+                                  threads=args.threads)
+                resident = ", ".join(f"{o['resident']:.3f}" for o in outputs)
+                print(f"round {round_index + 1}: {outputs[0]['contender']}: resident {resident} s, its "
+                      f"process(es) {time.perf_counter() - job_start:.1f} s", flush=True)
+                rows += outputs
             rounds.append(rows)
+            longest_round = max(longest_round, time.perf_counter() - round_start)
     rows = best_of_rounds(rounds)
     goal_rows = goals(rows)
     info = dict(machine=machine(), device=args.device, cold=args.cold, threads=args.threads,
-                rounds=args.rounds, checkpoint_bytes=total, files=files)
+                rounds=len(rounds), checkpoint_bytes=total, files=files)
     print(report(rows, goal_rows, info))
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)

@@ -15,12 +15,15 @@ contention):
   driver's page-locking calls) and ``release`` (waiting for a file's copies, then unlocking its pages);
 - ``make_room``: unpinning the oldest pieces, with ``wait`` (for their copies) and ``drop_pages``;
 - ``staged _copy_into``: copies through page-locked buffers;
-- ``_run_loads``: one parameter's weight loaders, all of the above included.
+- ``_run_loads``: one parameter's weight loaders, all of the above included;
+- ``build`` (with ``PROFILE_FROM_PRETRAINED=1``): the model's construction inside ``from_pretrained``, and
+  ``_execute``: the copies of ``load_weights`` after its checks.
 
 The default variants are 1, 2 and 4 threads with direct copies and 4 threads without them. A variant may
 also set ``PROFILE_MAX_PINNED_MIB`` (how many MiB a loading keeps page-locked) and
 ``PROFILE_FROM_PRETRAINED=1`` (each load a ``tpkit.models.from_pretrained`` call, the model built inside
-the timed call).
+the timed call), ``PROFILE_CPUS`` (the CPUs the process may run on, as ``taskset`` takes them: ``0-7,16``)
+and ``PROFILE_CPROFILE=1`` (the last load under cProfile: the 25 functions of most own time are printed).
 """
 
 from __future__ import annotations
@@ -51,12 +54,26 @@ def _parse_variant(text: str) -> tuple[str, dict[str, str]]:
     return name, env
 
 
+def _cpu_list(text: str) -> set[int]:
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
 def _child(path: str, name: str, loads: int, device: str) -> None:
     """Loads ``path`` into a tpkit Llama on ``device`` ``loads`` times, with the stages timed."""
+    if os.environ.get("PROFILE_CPUS"):
+        # Before torch starts its threads, so that they inherit it.
+        os.sched_setaffinity(0, _cpu_list(os.environ["PROFILE_CPUS"]))
+    import cProfile
+    import pstats
+
     import torch
 
     from tpkit.loaders import _direct_copy, iter_weights, lazy_tensor, load, resolve_checkpoint
-    from tpkit.models import LlamaForCausalLM, from_pretrained
+    from tpkit.models import LlamaForCausalLM, auto, from_pretrained
     from tpkit.parallel_layers import _loading, init_tensor_parallel
 
     stats: dict[str, tuple[int, float]] = {}
@@ -89,15 +106,21 @@ def _child(path: str, name: str, loads: int, device: str) -> None:
     handle._take = timed("_take", handle._take)
     load._Plan.add = timed("plan.add", load._Plan.add)
     load._run_loads = timed("_run_loads", load._run_loads)
+    load._execute = timed("_execute", load._execute)
+    auto.MODEL_CLASSES = {key: timed("build", cls) for key, cls in auto.MODEL_CLASSES.items()}
 
     init_tensor_parallel(1)
     config = json.loads((Path(path) / "config.json").read_text())
     build_in_call = os.environ.get("PROFILE_FROM_PRETRAINED") == "1"
     model = None if build_in_call else LlamaForCausalLM(config, dtype=torch.bfloat16, device=device)
     synchronize = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    profiler = cProfile.Profile() if os.environ.get("PROFILE_CPROFILE") == "1" else None
     for attempt in range(loads):
         stats.clear()
         synchronize()
+        profiling = profiler is not None and attempt == loads - 1
+        if profiling:
+            profiler.enable()
         start = time.perf_counter()
         if build_in_call:
             model = from_pretrained(path, dtype=torch.bfloat16, device=device)
@@ -105,12 +128,21 @@ def _child(path: str, name: str, loads: int, device: str) -> None:
             model.load_weights(iter_weights(resolve_checkpoint(path)))
         synchronize()
         wall = time.perf_counter() - start
+        if profiling:
+            profiler.disable()
         stages = "; ".join(f"{stage} {calls}x {seconds * 1e3:.1f} ms"
                            for stage, (calls, seconds) in sorted(stats.items()))
         print(f"{name} load {attempt}: {wall * 1e3:.1f} ms (direct copies failed: "
               f"{_direct_copy._State.failed}); {stages}", flush=True)
         if build_in_call:
             model = None
+    if profiler is not None:
+        print(f"{name}: cProfile of load {loads - 1}, by own time", flush=True)
+        pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(25)
+        sys.stdout.flush()
+    # Field 39 of /proc/PID/stat, the 37th after the command's closing parenthesis: the CPU it last ran on.
+    last_cpu = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[36]
+    print(f"{name}: may run on CPUs {sorted(os.sched_getaffinity(0))}, last ran on {last_cpu}", flush=True)
 
 
 def main() -> None:
