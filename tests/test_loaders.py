@@ -939,6 +939,49 @@ def test_direct_copy_loading_routes_copies(tmp_path, monkeypatch):
         _direct_copy.copy_file_range(dst, handle.file, handle.file.stat().st_size - 100)
 
 
+def test_direct_copy_views_by_their_span(tmp_path):
+    """A column shard and a cast, copied (CPU destinations, recorded page-locking) by the span of file bytes
+    from their first element to their last, then taken with their strides (also into a strided
+    destination): the values are the parts'."""
+    weight = _save_bf16(tmp_path / "model.safetensors", 256, 1024)
+    handle = dict(iter_weights(tmp_path))["b.weight"]
+    registered = []
+    copies = _direct_copy.DirectCopies(lambda address, n: registered.append((address, n)) or True,
+                                       lambda address: None)
+    column = handle.narrow(1, 300, 400)  # [256, 400], rows 2048 bytes apart
+    assert _direct_copy.span_bytes(column) == (255 * 1024 + 400) * 2
+    assert _direct_copy.span_bytes(handle.narrow(0, 5, 10)) == 10 * 1024 * 2
+    assert _direct_copy.span_bytes(handle.narrow(1, 0, 0)) == 0
+    with _direct_copy.loading(copies):
+        dst = torch.zeros(256, 400, dtype=torch.float32)
+        _direct_copy.copy_file_view(dst, handle.file, handle._file_offset(column), column)
+        assert torch.equal(dst, weight[:, 300:700].float())
+        out = torch.zeros(1024, 256, dtype=torch.bfloat16).t()  # a strided destination
+        whole = handle.narrow(1, 0, 1024)
+        _direct_copy.copy_file_view(out, handle.file, handle._file_offset(whole), whole)
+        assert torch.equal(out, weight)
+    assert len(registered) == 1  # the file's one piece, registered once for both copies
+    copies.close()
+
+
+def test_direct_copy_worth_it_by_span(monkeypatch):
+    """Into a GPU only (here a stand-in destination), parts of 1 MiB or more whose span is at most
+    _MAX_SPAN_RATIO times their bytes, any dtype."""
+    monkeypatch.delenv("TPKIT_LOAD_DMA", raising=False)
+    monkeypatch.setattr(_direct_copy._State, "failed", False)
+    full = torch.zeros(1024, 4096, dtype=torch.bfloat16)  # 8 MiB
+
+    def gpu(part: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> SimpleNamespace:
+        return SimpleNamespace(device=torch.device("cuda"), shape=part.shape, dtype=dtype)
+
+    assert _direct_copy.worth_it(gpu(full), full)
+    assert _direct_copy.worth_it(gpu(full, torch.float32), full)  # a cast
+    assert _direct_copy.worth_it(gpu(full[:, :512]), full[:, :512])  # 1 MiB spanning 8x: the limit
+    assert not _direct_copy.worth_it(gpu(full[:, :511]), full[:, :511])  # under 1 MiB
+    assert not _direct_copy.worth_it(gpu(full[:512, ::16]), full[:512, ::16])  # spans 16x
+    assert not _direct_copy.worth_it(SimpleNamespace(device=torch.device("cpu"), shape=full.shape), full)
+
+
 def test_direct_copy_declines(tmp_path, monkeypatch):
     """Not into a CPU tensor (copy_to writes nothing then); the switch."""
     _save_bf16(tmp_path / "model.safetensors", 1024, 1024)  # 2 MiB
@@ -956,24 +999,32 @@ def test_direct_copy_declines(tmp_path, monkeypatch):
 
 @needs_cuda
 def test_direct_copy_into_gpu(tmp_path, monkeypatch):
-    """Into GPU parameters through load_weights: the whole tensor, row shards (a column-parallel layer at
-    tp_size 2, each rank's rows) and a plain parameter (default_weight_loader) copy straight from the file,
-    the casts and column shards do not; every value is the checkpoint's."""
+    """Into GPU parameters through load_weights: the whole tensor, a cast (float32 into bfloat16), a plain
+    parameter (default_weight_loader), then row and column shards (a column-parallel layer's rows at
+    tp_size 2, a row-parallel layer's columns) all copy straight from the file, the contiguous ones into
+    the parameter, the others by their span through a GPU buffer; a part that spans more than
+    _MAX_SPAN_RATIO times its bytes is staged; every value is the checkpoint's, every page unregistered."""
     g = torch.Generator().manual_seed(0)
     tensors = {"up.weight": torch.randn(3000, 1024, generator=g).to(torch.bfloat16),
-               "down.weight": torch.randn(1024, 3000, generator=g),  # float32 into bfloat16: staged
+               "down.weight": torch.randn(1024, 3000, generator=g),  # float32 into bfloat16
                "scale": torch.randn(1_500_000, generator=g).to(torch.bfloat16)}
     save_file(tensors, tmp_path / "model.safetensors")
     monkeypatch.delenv("TPKIT_LOAD_DMA", raising=False)
     monkeypatch.setattr(_direct_copy._State, "failed", False)
-    direct = []
-    copy_file_range = _direct_copy.copy_file_range
+    direct, straight = [], []  # the parts copied from the file; those copied into the parameter itself
+    copy_file_view, copy_file_range = _direct_copy.copy_file_view, _direct_copy.copy_file_range
 
-    def counting(dst, path, offset):
-        direct.append(dst.shape)
+    def counting_view(dst, path, offset, part):
+        direct.append(tuple(part.shape))
+        copy_file_view(dst, path, offset, part)
+
+    def counting_range(dst, path, offset):
+        if dst.dtype != torch.uint8:
+            straight.append(tuple(dst.shape))
         copy_file_range(dst, path, offset)
 
-    monkeypatch.setattr(_direct_copy, "copy_file_range", counting)
+    monkeypatch.setattr(_direct_copy, "copy_file_view", counting_view)
+    monkeypatch.setattr(_direct_copy, "copy_file_range", counting_range)
     pinned = []
     register, unregister = _direct_copy._cuda_register, _direct_copy._cuda_unregister
 
@@ -996,21 +1047,27 @@ def test_direct_copy_into_gpu(tmp_path, monkeypatch):
                                    device="cuda")
     model.scale = nn.Parameter(torch.zeros(1_500_000, dtype=torch.bfloat16, device="cuda"))
     load_weights(model, iter_weights(tmp_path), num_threads=4, progress=False)
-    assert sorted(direct) == sorted([torch.Size([3000, 1024]), torch.Size([1_500_000])])
+    assert sorted(direct) == sorted([(1024, 3000), (1_500_000,), (3000, 1024)])
+    assert sorted(straight) == sorted([(1_500_000,), (3000, 1024)])  # the cast went through a buffer
     assert not _direct_copy._State.failed
     assert not pinned  # every piece registered was unregistered once its copies were done
     assert torch.equal(model.up.weight.cpu(), tensors["up.weight"])
     assert torch.equal(model.down.weight.cpu(), tensors["down.weight"].to(torch.bfloat16))
     assert torch.equal(model.scale.cpu(), tensors["scale"])
+    direct.clear()
     handle = dict(iter_weights(tmp_path))["up.weight"]
-    for rank in range(2):  # rows [1500 * rank, 1500 * (rank + 1)), by DMA; then columns, staged
+    for rank in range(2):  # rows [1500 * rank, 1500 * (rank + 1)); then columns [512 * rank, ...)
         param = torch.zeros(1500, 1024, dtype=torch.bfloat16, device="cuda")
         _loading._copy_pieces(param, handle, 0, [(0, 1500 * rank, 1500)])
         assert torch.equal(param.cpu(), tensors["up.weight"][1500 * rank:1500 * (rank + 1)])
         param = torch.zeros(3000, 512, dtype=torch.bfloat16, device="cuda")
         _loading._copy_pieces(param, handle, 1, [(0, 512 * rank, 512)])
         assert torch.equal(param.cpu(), tensors["up.weight"][:, 512 * rank:512 * (rank + 1)])
-    assert len(direct) == 4 and not pinned
+    monkeypatch.setattr(_direct_copy, "_MAX_SPAN_RATIO", 1.5)  # a column half spans 2x its bytes: staged
+    param = torch.zeros(3000, 512, dtype=torch.bfloat16, device="cuda")
+    _loading._copy_pieces(param, handle, 1, [(0, 512, 512)])
+    assert torch.equal(param.cpu(), tensors["up.weight"][:, 512:])
+    assert direct == [(1500, 1024), (3000, 512)] * 2 and not pinned
     torch.zeros(1, device="cuda").add_(1)  # no CUDA error left behind
     torch.cuda.synchronize()
 

@@ -136,14 +136,16 @@ class LazyTensor(ABC):
 
     def copy_to(self, dst: torch.Tensor, part: torch.Tensor) -> bool:
         """Copies ``part``, a tensor this handle returned (``narrow`` or ``[...]``), into ``dst`` (the same
-        shape and dtype) straight from the file, where that is faster than copying the view. Returns True
-        once ``dst`` holds it, or, inside ``load_weights``, once the copy is queued on dst's current
-        stream (the call waits for it before it returns); False, having written nothing, where it is not
+        shape; cast to dst's dtype) straight from the file, where that is faster than copying the view.
+        Returns True once the copy is done or queued on dst's current stream (inside ``load_weights``,
+        which waits for its copies before it returns); False, having written nothing, where it is not
         faster: the caller then copies ``part``.
 
-        Into a GPU, a contiguous part of 1 MiB or more of a safetensors file is copied by DMA from the page
-        cache, page-locked in place, so the host's CPU never copies its bytes (``TPKIT_LOAD_DMA=0`` turns
-        this off). ``part`` was counted by :func:`bytes_read` when it was taken; this counts nothing.
+        Into a GPU, a part of 1 MiB or more of a safetensors file is copied by DMA from the page cache,
+        page-locked in place, so the host's CPU never copies its bytes: a contiguous part straight into a
+        contiguous dst of its dtype, any other (a column shard, a cast) by its span into a GPU buffer, taken
+        from there on the GPU (``TPKIT_LOAD_DMA=0`` turns this off). ``part`` was counted by
+        :func:`bytes_read` when it was taken; this counts nothing.
         """
         return False
 
@@ -200,7 +202,7 @@ class _SafetensorsTensor(LazyTensor):
     def copy_to(self, dst: torch.Tensor, part: torch.Tensor) -> bool:
         if not _direct_copy.worth_it(dst, part):
             return False
-        _direct_copy.copy_file_range(dst, self.file, self._file_offset(part))
+        _direct_copy.copy_file_view(dst, self.file, self._file_offset(part), part)
         return True
 
     def _file_offset(self, part: torch.Tensor) -> int:
