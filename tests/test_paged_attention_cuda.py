@@ -190,11 +190,12 @@ def test_paged_attention_long_context() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                     reason="needs Hopper (thread-block clusters)")
-@pytest.mark.parametrize(("seq_len", "cluster_merge"), [(256, 1), (2048, 0)])
+@pytest.mark.parametrize(("seq_len", "cluster_merge"), [(256, 1), (8192, 0)])
 @pytest.mark.parametrize("head_size", [120, 128])
 def test_paged_attention_merge_paths(head_size: int, seq_len: int, cluster_merge: int) -> None:
     """On Hopper, a split into at most 8 partitions merges inside a thread-block cluster; more partitions
-    (bench_paged_attention's C3 shapes, 8 sequences of 2048 tokens, MQA 48:1) take the merge kernel. Head
+    (8 sequences of 8192 tokens, MQA 48:1: 16 or more partitions beat 8 by more than the merge kernel's
+    cost) take the merge kernel. Head
     120 runs the mma kernel, head 128 the warpgroup kernel (compute 9.0). Both against the CPU op, with
     empty and short sequences whose later partitions hold nothing."""
     seq_lens = [0, 1, 17, 64, 65, seq_len // 2, seq_len - 1, seq_len]

@@ -1,6 +1,8 @@
 // Host-side helpers shared by the per-dtype launchers (defined in paged_attention_api.cu). Torch-free.
 #pragma once
 
+#include <cstdint>
+
 #include <cuda_runtime.h>
 
 #include "paged_attention.h"
@@ -40,8 +42,10 @@ cudaError_t kernel_max_active_clusters(const void* kernel, int threads, int smem
 // (num_seqs x num_kv_heads x m_groups) thread blocks leave resident-block slots idle, and then into at
 // most one wave of blocks.
 // `concurrent_blocks` is what the device runs at once; `write_cost` is the cost of writing and merging one
-// partition's result, in units of one 64-token tile's K/V read.
-void plan_partitions(tpkit_paged_attention_args* args, int concurrent_blocks, double write_cost);
+// partition's result, in units of one 64-token tile's K/V read; bit n of `cluster_merges` is set where n
+// partitions can be merged in their cluster (no merge kernel).
+void plan_partitions(tpkit_paged_attention_args* args, int concurrent_blocks, double write_cost,
+                     uint32_t cluster_merges);
 
 cudaError_t plan_float16(tpkit_paged_attention_args* args);
 cudaError_t plan_bfloat16(tpkit_paged_attention_args* args);

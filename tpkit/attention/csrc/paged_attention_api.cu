@@ -15,7 +15,11 @@ namespace {
 
 constexpr int kPlanTile = 64;           // tokens: partitions are whole tiles of every kernel
 constexpr int kMaxPartitions = 256;
-constexpr double kMergeLaunchCost = 1.0;  // a second kernel launch, in tile reads
+// The merge kernel (a second, dependent launch that starts once the attention grid is done), in tile reads;
+// a cluster merge costs none. (Measured on the H200, C3: 16 partitions of two tiles and the merge kernel
+// 11.8-11.9 us, 8 partitions of four tiles merged in their cluster 11.4 us, 4 of eight 15.6 us: a tile is
+// about a microsecond there and the merge kernel about 2.5 tiles.)
+constexpr double kMergeKernelCost = 2.5;
 constexpr double kBlockStartCost = 1.0;   // a block's first loads (block table, then K/V): no overlap yet
 // A block's fixed work (block table, query, epilogue, partial write) is about a tile's: partitions of one
 // tile spend half their time on it (measured on the H200, C3: 32 partitions of one tile 21.3 us, 16 of two
@@ -110,7 +114,8 @@ cudaError_t kernel_max_active_clusters(const void* kernel, int threads, int smem
   });
 }
 
-void plan_partitions(tpkit_paged_attention_args* a, int concurrent_blocks, double write_cost) {
+void plan_partitions(tpkit_paged_attention_args* a, int concurrent_blocks, double write_cost,
+                     uint32_t cluster_merges) {
   const int64_t capacity = static_cast<int64_t>(a->max_blocks_per_seq) * a->block_size;
   const int max_tiles = static_cast<int>(std::max<int64_t>(1, (capacity + kPlanTile - 1) / kPlanTile));
   const double base = static_cast<double>(a->num_seqs) * a->num_kv_heads * a->m_groups;
@@ -119,7 +124,7 @@ void plan_partitions(tpkit_paged_attention_args* a, int concurrent_blocks, doubl
   // memory system saturated, so splitting would only add partial writes and the merge (measured on the
   // H200: C2 and C5 ran faster unsplit). Otherwise, among splits that fit one wave, a time model: a block
   // costs its start, its tiles and writing its partial result; the merge reads every partial result once
-  // more and costs a launch.
+  // more, and the merge kernel, where the partitions cannot be merged in their cluster, costs its own.
   int best_partitions = 1;
   int best_tiles = max_tiles;
   double best_cost = max_tiles + kBlockStartCost;
@@ -129,7 +134,8 @@ void plan_partitions(tpkit_paged_attention_args* a, int concurrent_blocks, doubl
     if ((max_tiles + tiles - 1) / tiles != np) continue;  // same split as a smaller np
     const double blocks = base * np;
     if (blocks > slots) break;
-    const double cost = tiles + write_cost + kBlockStartCost + blocks * write_cost / slots + kMergeLaunchCost;
+    const double merge_cost = (cluster_merges >> np) & 1 ? 0.0 : kMergeKernelCost;
+    const double cost = tiles + write_cost + kBlockStartCost + blocks * write_cost / slots + merge_cost;
     if (cost < best_cost) {
       best_cost = cost;
       best_partitions = np;

@@ -115,20 +115,40 @@ cudaError_t choose_pipeline(const void* kernel, int threads, BlockBytes block_by
 }
 
 // Hopper: a (sequence, KV head, row group)'s partitions as one cluster, merged in shared memory, when every
-// cluster of the grid can be resident at once (clusters must fit within one GPC). Sets a->cluster_merge for
-// `kernel` with the plan's threads and shared memory.
-inline cudaError_t plan_cluster_merge(tpkit_paged_attention_args* a, const void* kernel) {
-  a->cluster_merge = 0;
+// cluster of the grid can be resident at once (clusters must fit within one GPC). Bit n of *mask is set where
+// n partitions of `kernel`, with the plan's threads and shared memory, can be merged that way.
+inline cudaError_t cluster_merge_mask(const tpkit_paged_attention_args* a, const void* kernel, uint32_t* mask) {
+  *mask = 0;
   int major = 0;
   cudaError_t err = current_device_attribute(cudaDevAttrComputeCapabilityMajor, &major);
-  if (err != cudaSuccess) return err;
-  if (major >= 9 && a->num_partitions > 1 && a->num_partitions <= kMaxClusterSize) {
+  if (err != cudaSuccess || major < 9) return err;
+  const int64_t clusters_needed = static_cast<int64_t>(a->num_seqs) * a->num_kv_heads * a->m_groups;
+  for (int np = 2; np <= kMaxClusterSize; ++np) {
     int clusters = 0;
-    err = kernel_max_active_clusters(kernel, a->threads, a->smem_bytes, a->num_partitions, &clusters);
-    if (err != cudaSuccess) return err;
-    a->cluster_merge = clusters >= static_cast<int64_t>(a->num_seqs) * a->num_kv_heads * a->m_groups ? 1 : 0;
+    if ((err = kernel_max_active_clusters(kernel, a->threads, a->smem_bytes, np, &clusters)) != cudaSuccess) {
+      return err;
+    }
+    if (clusters >= clusters_needed) *mask |= 1u << np;
   }
   return cudaSuccess;
+}
+
+// Splits the context (plan_partitions) with the cluster merges `kernel` allows.
+inline cudaError_t plan_split(tpkit_paged_attention_args* a, const void* kernel, int concurrent_blocks,
+                              double write_cost) {
+  uint32_t mask = 0;
+  const cudaError_t err = cluster_merge_mask(a, kernel, &mask);
+  if (err != cudaSuccess) return err;
+  plan_partitions(a, concurrent_blocks, write_cost, mask);
+  return cudaSuccess;
+}
+
+// Sets a->cluster_merge for the planned partitions of `kernel` (the kernel that will run).
+inline cudaError_t plan_cluster_merge(tpkit_paged_attention_args* a, const void* kernel) {
+  uint32_t mask = 0;
+  const cudaError_t err = cluster_merge_mask(a, kernel, &mask);
+  a->cluster_merge = err == cudaSuccess && a->num_partitions > 1 && ((mask >> a->num_partitions) & 1) ? 1 : 0;
+  return err;
 }
 
 // Whether this build has the warpgroup kernel (sm_90a) and the current device runs it (compute 9.0).
@@ -167,7 +187,7 @@ cudaError_t plan_wgmma(tpkit_paged_attention_args* a) {
   a->smem_bytes = smem;
   const int rows_written = std::min(a->group_size, kWgmmaRows);
   const double write_cost = rows_written * (kWgmmaHead + 1) * 4.0 / (2.0 * kTileTokens * kWgmmaHead * sizeof(T));
-  plan_partitions(a, num_sms * blocks_per_sm, write_cost);
+  if ((err = plan_split(a, kernel, num_sms * blocks_per_sm, write_cost)) != cudaSuccess) return err;
   return plan_cluster_merge(a, kernel);
 }
 
@@ -220,7 +240,7 @@ cudaError_t plan_mma(tpkit_paged_attention_args* a) {
   a->smem_bytes = smem;
   const int rows_written = std::min(a->group_size, rows);
   const double write_cost = rows_written * (HEAD + 1) * 4.0 / (2.0 * kTileTokens * HEAD * sizeof(T));
-  plan_partitions(a, num_sms * std::max(blocks_per_sm, 1), write_cost);
+  if ((err = plan_split(a, kernel, num_sms * std::max(blocks_per_sm, 1), write_cost)) != cudaSuccess) return err;
   // Swizzled rows where the grid is one wave of resident blocks (split grids always are) and warps take one
   // slice: there each block's own copy latency sets the time, and whole-sector copies take half the L2
   // requests. Grids of several waves and two-slice steps ran slower swizzled, for a cause not found.
@@ -286,7 +306,7 @@ cudaError_t plan_fp32(tpkit_paged_attention_args* a) {
   a->smem_bytes = smem;
   a->cluster_merge = 0;
   const double write_cost = rows * (HEAD + 1) * 4.0 / (2.0 * kTileTokens * HEAD * 4.0);
-  plan_partitions(a, num_sms * std::max(blocks_per_sm, 1), write_cost);
+  plan_partitions(a, num_sms * std::max(blocks_per_sm, 1), write_cost, 0);
   return cudaSuccess;
 }
 
