@@ -21,8 +21,8 @@ stage tests 300 torchrun --nproc-per-node "$NPROC" -m pytest tests -q -p no:cach
 stage tp_scaling 300 python3 benchmarks/bench_tp_scaling.py --device cuda --shapes 8b --tp-sizes "$TP_SIZES" \
   --cuda-graph --repeats 2 --profile --out "$OUT"
 stage parity 300 python3 benchmarks/check_tp_parity.py --device cuda --shapes 8b --tp-sizes "$TP_SIZES"
-# Three rounds of fresh processes (about 15 s each) at tp_size 1 and 2: 260-300 s on an H200 host.
-stage loader 450 python3 benchmarks/bench_loader.py --device cuda --tp-sizes "$TP_SIZES" --rounds 3 \
+# Rounds of fresh processes (14-22 s each) at tp_size 1 and 2, as many as fit 400 s (3-4 on an H200 host).
+stage loader 450 python3 benchmarks/bench_loader.py --device cuda --tp-sizes "$TP_SIZES" --rounds 6 --budget-s 400 \
   --json "$OUT/loader_cuda.json"
 
 echo "=== tests"; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/tests.log" | tail -8
