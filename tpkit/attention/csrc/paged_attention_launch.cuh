@@ -133,22 +133,18 @@ inline cudaError_t cluster_merge_mask(const tpkit_paged_attention_args* a, const
   return cudaSuccess;
 }
 
-// Splits the context (plan_partitions) with the cluster merges `kernel` allows.
+// Splits the context (plan_partitions) with the cluster merges `kernel` allows, which it leaves in *mask.
 inline cudaError_t plan_split(tpkit_paged_attention_args* a, const void* kernel, int concurrent_blocks,
-                              double write_cost) {
-  uint32_t mask = 0;
-  const cudaError_t err = cluster_merge_mask(a, kernel, &mask);
+                              double write_cost, uint32_t* mask) {
+  const cudaError_t err = cluster_merge_mask(a, kernel, mask);
   if (err != cudaSuccess) return err;
-  plan_partitions(a, concurrent_blocks, write_cost, mask);
+  plan_partitions(a, concurrent_blocks, write_cost, *mask);
   return cudaSuccess;
 }
 
-// Sets a->cluster_merge for the planned partitions of `kernel` (the kernel that will run).
-inline cudaError_t plan_cluster_merge(tpkit_paged_attention_args* a, const void* kernel) {
-  uint32_t mask = 0;
-  const cudaError_t err = cluster_merge_mask(a, kernel, &mask);
-  a->cluster_merge = err == cudaSuccess && a->num_partitions > 1 && ((mask >> a->num_partitions) & 1) ? 1 : 0;
-  return err;
+// Sets a->cluster_merge for the planned partitions from the cluster_merge_mask of the kernel that will run.
+inline void set_cluster_merge(tpkit_paged_attention_args* a, uint32_t mask) {
+  a->cluster_merge = a->num_partitions > 1 && ((mask >> a->num_partitions) & 1) ? 1 : 0;
 }
 
 // Whether this build has the warpgroup kernel (sm_90a) and the current device runs it (compute 9.0).
@@ -187,8 +183,10 @@ cudaError_t plan_wgmma(tpkit_paged_attention_args* a) {
   a->smem_bytes = smem;
   const int rows_written = std::min(a->group_size, kWgmmaRows);
   const double write_cost = rows_written * (kWgmmaHead + 1) * 4.0 / (2.0 * kTileTokens * kWgmmaHead * sizeof(T));
-  if ((err = plan_split(a, kernel, num_sms * blocks_per_sm, write_cost)) != cudaSuccess) return err;
-  return plan_cluster_merge(a, kernel);
+  uint32_t mask = 0;
+  if ((err = plan_split(a, kernel, num_sms * blocks_per_sm, write_cost, &mask)) != cudaSuccess) return err;
+  set_cluster_merge(a, mask);
+  return cudaSuccess;
 }
 
 template <typename T, int HEAD>
@@ -240,7 +238,9 @@ cudaError_t plan_mma(tpkit_paged_attention_args* a) {
   a->smem_bytes = smem;
   const int rows_written = std::min(a->group_size, rows);
   const double write_cost = rows_written * (HEAD + 1) * 4.0 / (2.0 * kTileTokens * HEAD * sizeof(T));
-  if ((err = plan_split(a, kernel, num_sms * std::max(blocks_per_sm, 1), write_cost)) != cudaSuccess) return err;
+  uint32_t mask = 0;
+  err = plan_split(a, kernel, num_sms * std::max(blocks_per_sm, 1), write_cost, &mask);
+  if (err != cudaSuccess) return err;
   // Swizzled rows where the grid is one wave of resident blocks (split grids always are) and warps take one
   // slice: there each block's own copy latency sets the time, and whole-sector copies take half the L2
   // requests. Grids of several waves and two-slice steps ran slower swizzled, for a cause not found.
@@ -257,8 +257,11 @@ cudaError_t plan_mma(tpkit_paged_attention_args* a) {
     int smem_limit = 0;  // raises the swizzled kernel's limit
     if ((err = kernel_dynamic_smem_limit(kernel, &smem_limit)) != cudaSuccess) return err;
     a->smem_bytes = smem;
+    // Another kernel and shared-memory size: its own clusters.
+    if ((err = cluster_merge_mask(a, kernel, &mask)) != cudaSuccess) return err;
   }
-  return plan_cluster_merge(a, kernel);
+  set_cluster_merge(a, mask);
+  return cudaSuccess;
 }
 
 template <typename T, int HEAD>
