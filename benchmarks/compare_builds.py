@@ -7,8 +7,9 @@ A tree is a directory holding a ``tpkit`` package, e.g. ``git archive <rev> tpki
 the device machine it must lie inside the repository (untracked, not ignored) to be copied there. Every
 tree's extension is built into its own TORCH_EXTENSIONS_DIR, all at once; then
 ``bench_paged_attention.py`` runs once per tree per round with that tree first on PYTHONPATH, the trees
-taking turns, so drifts of the GPU's clock and of the machine hit them alike. Prints, per configuration
-and tree, the mean time in us and each run's; the JSON of every run is kept under ``--out``.
+taking turns (in the reverse order every other round), so drifts of the GPU's clock and of the machine hit
+them alike. Prints, per configuration and tree, the mean time in us and each run's; the JSON of every run
+is kept under ``--out``.
 """
 
 from __future__ import annotations
@@ -68,7 +69,9 @@ def main() -> int:
     # config -> column (a tree, or another implementation in a tree's run) -> us of each run
     times: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for round_index in range(args.rounds):
-        for name, tree in trees.items():
+        # The order flips each round: the tree that runs second in a round has run slower.
+        order = list(trees.items())
+        for name, tree in order[::-1] if round_index % 2 else order:
             result = args.out / f"bench_{name}_{round_index}.json"
             with open(args.out / f"bench_{name}_{round_index}.log", "w") as log:
                 rc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_paged_attention.py"),
