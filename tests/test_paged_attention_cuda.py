@@ -205,6 +205,20 @@ def test_paged_attention_merge_paths(head_size: int, seq_len: int, cluster_merge
     _check_attention(torch.float16, head_size, 16, 48, 1, seq_lens, alibi=False, seed=seq_len)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="needs compute 9.0 (the warpgroup kernel)")
+def test_paged_attention_small_grid_deep_pipeline() -> None:
+    """C3's shape (8 sequences of up to 2048 tokens, MQA 48:1, head 128) splits into fewer blocks than the
+    GPU has SMs, so the warpgroup kernel takes its deepest pipeline; against the CPU op, with empty and
+    short sequences whose later partitions hold nothing."""
+    seq_lens = [0, 17, 64, 65, 1000, 1024, 2047, 2048]
+    plan = _plan(torch.float16, 128, 16, 48, 1, seq_lens)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert plan["wgmma"] == 1 and len(seq_lens) * plan["num_partitions"] <= num_sms, plan
+    assert plan["num_stages"] == 4, plan
+    _check_attention(torch.float16, 128, 16, 48, 1, seq_lens, alibi=False, seed=11)
+
+
 def test_paged_attention_strided_query() -> None:
     """A query that is a view into a wider tensor (the output of a fused QKV projection)."""
     generator = torch.Generator().manual_seed(3)

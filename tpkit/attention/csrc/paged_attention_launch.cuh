@@ -168,9 +168,11 @@ cudaError_t plan_wgmma(tpkit_paged_attention_args* a) {
   if (err != cudaSuccess) return err;
   const void* kernel = reinterpret_cast<const void*>(&paged_attention_wgmma_kernel<T>);
   int stages = 0, smem = 0, blocks_per_sm = 0;
-  err = choose_pipeline(kernel, kWgmmaThreads, [](int s) { return wgmma_smem_bytes<T>(s); }, false, &stages,
-                        &smem, &blocks_per_sm);
-  if (err != cudaSuccess) return err;
+  const auto pipeline = [&](bool prefer_depth) {
+    return choose_pipeline(kernel, kWgmmaThreads, [](int s) { return wgmma_smem_bytes<T>(s); }, prefer_depth,
+                           &stages, &smem, &blocks_per_sm);
+  };
+  if ((err = pipeline(false)) != cudaSuccess) return err;
   a->m_groups = ceil_div(a->group_size, kWgmmaRows);
   a->rows_per_cta = kWgmmaRows;
   a->warps_m = kWgmmaThreads / 32;
@@ -185,6 +187,18 @@ cudaError_t plan_wgmma(tpkit_paged_attention_args* a) {
   const double write_cost = rows_written * (kWgmmaHead + 1) * 4.0 / (2.0 * kTileTokens * kWgmmaHead * sizeof(T));
   uint32_t mask = 0;
   if ((err = plan_split(a, kernel, num_sms * blocks_per_sm, write_cost, &mask)) != cudaSuccess) return err;
+  // A grid that leaves every SM at most one block has no use for the occupancy the pipeline's depth was
+  // traded for: there the deepest pipeline keeps more of each block's tiles in flight, and the split is
+  // planned again for it. (Measured on the H200, 4 stages against 2: C3 11.5 -> 11.3 us, 16 sequences of
+  // 16384 tokens at 48:1 45.1 -> 44.6; 3 stages did as well as 4 on C3.)
+  const int64_t grid_blocks =
+      static_cast<int64_t>(a->num_seqs) * a->num_kv_heads * a->m_groups * a->num_partitions;
+  if (blocks_per_sm > 1 && grid_blocks <= num_sms) {
+    if ((err = pipeline(true)) != cudaSuccess) return err;
+    a->num_stages = stages;
+    a->smem_bytes = smem;
+    if ((err = plan_split(a, kernel, num_sms * blocks_per_sm, write_cost, &mask)) != cudaSuccess) return err;
+  }
   set_cluster_merge(a, mask);
   return cudaSuccess;
 }
