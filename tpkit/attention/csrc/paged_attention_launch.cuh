@@ -142,6 +142,11 @@ inline cudaError_t plan_split(tpkit_paged_attention_args* a, const void* kernel,
   return cudaSuccess;
 }
 
+// Thread blocks of the planned attention grid: one per (sequence, KV head, row group, partition).
+inline int64_t grid_blocks(const tpkit_paged_attention_args* a) {
+  return static_cast<int64_t>(a->num_seqs) * a->num_kv_heads * a->m_groups * a->num_partitions;
+}
+
 // Sets a->cluster_merge for the planned partitions from the cluster_merge_mask of the kernel that will run.
 inline void set_cluster_merge(tpkit_paged_attention_args* a, uint32_t mask) {
   a->cluster_merge = a->num_partitions > 1 && ((mask >> a->num_partitions) & 1) ? 1 : 0;
@@ -191,9 +196,7 @@ cudaError_t plan_wgmma(tpkit_paged_attention_args* a) {
   // traded for: there the deepest pipeline keeps more of each block's tiles in flight, and the split is
   // planned again for it. (Measured on the H200, 4 stages against 2: C3 11.5 -> 11.3 us, 16 sequences of
   // 16384 tokens at 48:1 45.1 -> 44.6; 3 stages did as well as 4 on C3.)
-  const int64_t grid_blocks =
-      static_cast<int64_t>(a->num_seqs) * a->num_kv_heads * a->m_groups * a->num_partitions;
-  if (blocks_per_sm > 1 && grid_blocks <= num_sms) {
+  if (blocks_per_sm > 1 && grid_blocks(a) <= num_sms) {
     if ((err = pipeline(true)) != cudaSuccess) return err;
     a->num_stages = stages;
     a->smem_bytes = smem;
@@ -261,10 +264,8 @@ cudaError_t plan_mma(tpkit_paged_attention_args* a) {
   // (Measured on the H200, every row swizzled against padded: C2 50.8 -> 46.2 us, C4 78.7 -> 78.0, C1 268.3
   // -> 267.8, C5 147.7 -> 153.8, two-slice C6 59.2 -> 62.5.) Swizzled rows are never longer than padded
   // ones, so the pipeline depth, occupancy and partitions above still hold.
-  const int64_t grid_blocks =
-      static_cast<int64_t>(a->num_seqs) * a->num_kv_heads * m_groups * a->num_partitions;
   a->swizzled =
-      kSwizzleable<HEAD> && slices == 1 && grid_blocks <= static_cast<int64_t>(num_sms) * blocks_per_sm;
+      kSwizzleable<HEAD> && slices == 1 && grid_blocks(a) <= static_cast<int64_t>(num_sms) * blocks_per_sm;
   if (a->swizzled) {
     kernel = reinterpret_cast<const void*>(mma_kernel<T, HEAD>(1, true));
     smem = block_bytes(Swizzled::kRowBytes, stages);
