@@ -195,9 +195,8 @@ def test_paged_attention_long_context() -> None:
 def test_paged_attention_merge_paths(head_size: int, seq_len: int, cluster_merge: int) -> None:
     """On Hopper, a split into at most 8 partitions merges inside a thread-block cluster; more partitions
     (8 sequences of 8192 tokens, MQA 48:1: 16 or more partitions beat 8 by more than the merge kernel's
-    cost) take the merge kernel. Head
-    120 runs the mma kernel, head 128 the warpgroup kernel (compute 9.0). Both against the CPU op, with
-    empty and short sequences whose later partitions hold nothing."""
+    cost) take the merge kernel. Head 120 runs the mma kernel, head 128 the warpgroup kernel (compute
+    9.0). Both against the CPU op, with empty and short sequences whose later partitions hold nothing."""
     seq_lens = [0, 1, 17, 64, 65, seq_len // 2, seq_len - 1, seq_len]
     plan = _plan(torch.float16, head_size, 16, 48, 1, seq_lens)
     assert plan["num_partitions"] > 1 and plan["cluster_merge"] == cluster_merge, plan
