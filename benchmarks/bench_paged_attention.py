@@ -1,6 +1,7 @@
 """Decode attention on one GPU: tpkit's paged kernel against torch SDPA on contiguous KV, a naive
 gather-then-SDPA, FlexAttention over the paged layout, and (from the anchors file) vLLM's kernels. tpkit
-also runs on the same pages stored head-major (``tpkit-head-major``), to show what the cache layout costs.
+also runs on the same pages stored head-major (``tpkit-head-major``), to show what the cache layout costs,
+and on SDPA's contiguous K/V (``tpkit-contiguous``), to show what the paging itself costs.
 
     PYTHONPATH=. python benchmarks/bench_paged_attention.py [--only C1,C3] [--config name:dtype:B:L:Hq:Hkv]
 
@@ -261,6 +262,22 @@ def _tpkit_head_major_call(s: InputSet) -> Callable[[], torch.Tensor]:
     return lambda: paged_attention(s.query, key_cache, value_cache, s.block_tables, s.seq_lens, out=out)
 
 
+def _tpkit_contiguous_call(s: InputSet) -> Callable[[], torch.Tensor]:
+    """tpkit's op on the contiguous [B, Hkv, L, D] K/V that SDPA reads: a [num_blocks, BLOCK_SIZE, Hkv, D]
+    view whose head stride is L * D and whose block b * Hkv * L / BLOCK_SIZE + j is sequence b's page j.
+    Against ``tpkit``, what reading pages rather than one run per (sequence, KV head) costs the kernel."""
+    batch, num_kv_heads, seq_len, head_size = s.key.shape
+    pages = seq_len // BLOCK_SIZE
+    # The last sequence's last page, as seen from head 0, is the view's last block.
+    shape = ((batch - 1) * num_kv_heads * pages + pages, BLOCK_SIZE, num_kv_heads, head_size)
+    strides = (BLOCK_SIZE * head_size, head_size, seq_len * head_size, 1)
+    key_cache, value_cache = (x.as_strided(shape, strides) for x in (s.key, s.value))
+    first_page = torch.arange(batch, device=s.key.device, dtype=torch.int32) * (num_kv_heads * pages)
+    block_tables = first_page[:, None] + torch.arange(pages, device=s.key.device, dtype=torch.int32)
+    out = torch.empty_like(s.query)
+    return lambda: paged_attention(s.query, key_cache, value_cache, block_tables, s.seq_lens, out=out)
+
+
 def _bench_config(cfg: Config, args: argparse.Namespace, copy_bw: float, flex: _Flex | None,
                   rows: list[dict]) -> None:
     num_sets = max(1, math.ceil(args.min_kv_mb * 1e6 / cfg.kv_bytes))
@@ -272,7 +289,8 @@ def _bench_config(cfg: Config, args: argparse.Namespace, copy_bw: float, flex: _
         s.value = _gather(s.value_cache, s.block_tables).contiguous()
 
     impls: list[tuple[str, Callable[[InputSet], Callable[[], torch.Tensor]]]] = [
-        ("tpkit", _tpkit_call), ("tpkit-head-major", _tpkit_head_major_call)]
+        ("tpkit", _tpkit_call), ("tpkit-head-major", _tpkit_head_major_call),
+        ("tpkit-contiguous", _tpkit_contiguous_call)]
     impls += [(name, lambda s, b=backend: _sdpa_call(s, b)) for name, backend in SDPA_BACKENDS.items()]
     impls += [("sdpa-default", lambda s: _sdpa_call(s, None)), ("naive-gather-sdpa", _naive_call)]
     if args.impls is not None:

@@ -126,6 +126,17 @@ def test_custom_scale_and_direct_op():
     torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
 
 
+def test_head_major_cache_view():
+    """Caches stored [num_blocks, num_kv_heads, block_size, head_size] and passed as a permuted view: the
+    op's [num_blocks, block_size, num_kv_heads, head_size] shape with strides that are not row-major."""
+    case = make_case(num_heads=8, num_kv_heads=2, head_size=64, block_size=16, seq_lens=[40, 0, 16, 5],
+                     dtype=torch.float32, seed=8)
+    for name in ("key_cache", "value_cache"):
+        case[name] = case[name].transpose(1, 2).contiguous().transpose(1, 2)
+        assert not case[name].is_contiguous()
+    check_against_naive(case)
+
+
 def test_out_argument():
     case = make_case(num_heads=4, num_kv_heads=2, head_size=32, block_size=8, seq_lens=[9, 0, 20],
                      dtype=torch.float16, seed=7)

@@ -86,8 +86,9 @@ def _attend_chunk(
         table = torch.where(used, block_tables[:, b0:b1].long(), 0)  # [S, B]
         positions = torch.arange(b0 * block_size, b1 * block_size, device=device)  # [T]
         valid = positions[None, :] < lens[:, None]  # [S, T]
-        keys = key_cache[table].view(num_seqs, num_tokens, num_kv_heads, head_size).float()
-        values = value_cache[table].view(num_seqs, num_tokens, num_kv_heads, head_size).float()
+        # reshape, not view: indexing a cache with strided pages (a head-major view) keeps their order.
+        keys = key_cache[table].reshape(num_seqs, num_tokens, num_kv_heads, head_size).float()
+        values = value_cache[table].reshape(num_seqs, num_tokens, num_kv_heads, head_size).float()
         # Unused slots may hold NaN, and NaN * 0 is NaN: mask the values as well as the scores.
         values = torch.where(valid[:, :, None, None], values, 0.0)
         scores = torch.einsum("shgd,sthd->shgt", q, keys)  # [S, num_kv_heads, group, T]
