@@ -14,6 +14,8 @@ namespace tpkit {
 
 constexpr int kMergeThreads = 128;
 constexpr int kMergeRowsPerBlock = kMergeThreads / 32;
+// Partitions whose results a lane loads before their weights are known.
+constexpr int kMergePrefetch = 8;
 
 template <bool kMax>
 __device__ __forceinline__ float warp_reduce(float v) {
@@ -28,43 +30,65 @@ __device__ __forceinline__ float warp_reduce(float v) {
 template <typename T>
 __global__ void __launch_bounds__(kMergeThreads) paged_attention_merge_kernel(const tpkit_paged_attention_args p) {
   extern __shared__ float weights_s[];  // [kMergeRowsPerBlock][num_partitions]
-  // Every block waits, even one with nothing to merge: the grid must not finish before the attention grid.
-  grid_wait_primary();
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   const int head = blockIdx.x * kMergeRowsPerBlock + warp;
   const int seq = blockIdx.y;
-  if (head >= p.num_heads) return;  // a whole warp: nothing below synchronises more than one warp
-  const int vecs = p.head_size / 4;  // head sizes are multiples of 8
-  T* out = static_cast<T*>(p.out) + static_cast<int64_t>(seq) * p.o_stride_seq + static_cast<int64_t>(head) * p.o_stride_head;
-  // Clamped to the table's capacity: a bad length must not read past the sequence's table row.
+  // seq_lens is the op's input, not the attention grid's output: read while that grid drains. Clamped to
+  // the table's capacity: a bad length must not read past the sequence's table row.
   const int seq_len = min(p.seq_lens[seq], p.max_blocks_per_seq << p.block_size_log2);
   // Partitions past the end were not written (their thread blocks exited at once).
   const int used = seq_len > 0 ? min(p.num_partitions, (seq_len + p.partition_size - 1) / p.partition_size) : 0;
+  // Every block waits, even one with nothing to merge: the grid must not finish before the attention grid.
+  grid_wait_primary();
+  if (head >= p.num_heads) return;  // a whole warp: nothing below synchronises more than one warp
+  const int vecs = p.head_size / 4;  // head sizes are multiples of 8
+  T* out = static_cast<T*>(p.out) + static_cast<int64_t>(seq) * p.o_stride_seq + static_cast<int64_t>(head) * p.o_stride_head;
   if (used == 0) {
     for (int v = lane; v < vecs; v += 32) store4(out + 4 * v, make_float4(0.f, 0.f, 0.f, 0.f));
     return;
   }
   const int64_t row_index = (static_cast<int64_t>(seq) * p.num_heads + head) * p.num_partitions;
   const float* lse = p.tmp_lse + row_index;
-  float mx = -INFINITY;
-  for (int i = lane; i < used; i += 32) mx = fmaxf(mx, lse[i]);
+  const float4* parts = reinterpret_cast<const float4*>(p.tmp_out + row_index * p.head_size);
+  float lane_lse = lane < used ? lse[lane] : -INFINITY;
+  // The first partitions' results for the lane's first four columns are asked for with the log-sum-exps,
+  // not after the weights: one round trip to L2 rather than two.
+  float4 first[kMergePrefetch];
+#pragma unroll
+  for (int i = 0; i < kMergePrefetch; ++i) {
+    first[i] = i < used && lane < vecs ? parts[static_cast<int64_t>(i) * vecs + lane] : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  float mx = lane_lse;
+  for (int i = lane + 32; i < used; i += 32) mx = fmaxf(mx, lse[i]);
   mx = warp_reduce<true>(mx);
   float* weights = weights_s + warp * p.num_partitions;
   float sum = 0.f;
   for (int i = lane; i < used; i += 32) {
-    const float w = (mx == -INFINITY || lse[i] == -INFINITY) ? 0.f : fast_exp2(lse[i] - mx);
+    const float l = i == lane ? lane_lse : lse[i];
+    const float w = (mx == -INFINITY || l == -INFINITY) ? 0.f : fast_exp2(l - mx);
     weights[i] = w;
     sum += w;
   }
   sum = warp_reduce<false>(sum);
   __syncwarp();  // publishes `weights` to the warp
   const float inv = sum > 0.f ? 1.f / sum : 0.f;
-  const float4* parts = reinterpret_cast<const float4*>(p.tmp_out + row_index * p.head_size);
   for (int v = lane; v < vecs; v += 32) {
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    int i = 0;
+    if (v == lane) {
+#pragma unroll
+      for (int j = 0; j < kMergePrefetch; ++j) {
+        const float w = j < used ? weights[j] : 0.f;
+        acc.x = fmaf(w, first[j].x, acc.x);
+        acc.y = fmaf(w, first[j].y, acc.y);
+        acc.z = fmaf(w, first[j].z, acc.z);
+        acc.w = fmaf(w, first[j].w, acc.w);
+      }
+      i = kMergePrefetch;
+    }
 #pragma unroll 4
-    for (int i = 0; i < used; ++i) {
+    for (; i < used; ++i) {
       const float w = weights[i];
       const float4 x = parts[static_cast<int64_t>(i) * vecs + v];
       acc.x = fmaf(w, x.x, acc.x);
