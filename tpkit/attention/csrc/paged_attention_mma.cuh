@@ -285,6 +285,7 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
     const unsigned loader = kFixedChunk ? static_cast<unsigned>(tid) : opaque_thread_index();
     const int tile_tokens = end - (start + tile * kTileTokens);  // tokens of this tile before the end
     const int* pages = page_s[tile % kPageRing];
+    const uint64_t stream_policy = l2_evict_first_policy();
     const uint32_t k_dst = smem_addr(k_s + stage * kTileTokens * RS);
     const uint32_t v_dst = smem_addr(v_s + stage * kTileTokens * RS);
 #pragma unroll
@@ -305,8 +306,8 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
         const void* vsrc = reinterpret_cast<const void*>(
             mad_wide(page_index, v_block_bytes, mad_wide(off, v_token_bytes, v_row)));
         const uint32_t dst = (t * RS + L::chunk(t, c)) * 16;
-        cp_async_16(k_dst + dst, ksrc, valid);
-        cp_async_16(v_dst + dst, vsrc, valid);
+        cp_async_16(k_dst + dst, ksrc, valid, stream_policy);
+        cp_async_16(v_dst + dst, vsrc, valid, stream_policy);
       }
     }
   };

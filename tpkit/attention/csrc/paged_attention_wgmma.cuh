@@ -123,6 +123,7 @@ __global__ void __launch_bounds__(kWgmmaThreads) paged_attention_wgmma_kernel(co
   auto issue_tile = [&](int tile, int stage) {
     const int tile_tokens = end - (start + tile * kTileTokens);
     const int* pages = page_s[tile % kPageRing];
+    const uint64_t stream_policy = l2_evict_first_policy();
     const uint32_t k_dst = kv_s + stage * kStageBytes;
 #pragma unroll
     for (int it = 0; it < kLoadIters; ++it) {
@@ -136,8 +137,8 @@ __global__ void __launch_bounds__(kWgmmaThreads) paged_attention_wgmma_kernel(co
       const void* vsrc =
           reinterpret_cast<const void*>(mad_wide(page_index, v_block_bytes, mad_wide(off, v_token_bytes, v_row)));
       const uint32_t dst = k_dst + plane_offset(t, chunk);
-      cp_async_16(dst, ksrc, valid);
-      cp_async_16(dst + 2 * kPlaneBytes, vsrc, valid);
+      cp_async_16(dst, ksrc, valid, stream_policy);
+      cp_async_16(dst + 2 * kPlaneBytes, vsrc, valid, stream_policy);
     }
   };
 

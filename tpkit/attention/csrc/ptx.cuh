@@ -23,6 +23,24 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool 
                : "memory");
 }
 
+// An L2 policy for the K/V stream, which is read once: its lines are evicted first, before what is read
+// again (the query, block tables, partial results, the next kernel's inputs). (Measured on the H200 against
+// the default policy, 3 rounds: C6 42.0 -> 39.3 us, 16 x 16384 tokens at 48:1 42.1 -> 39.9, C5 140.9 -> 137.8,
+// C1 and C4 within 1%; without the L2::128B prefetch C1 and C5 lost 1-2%.)
+__device__ __forceinline__ uint64_t l2_evict_first_policy() {
+  uint64_t policy;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+
+// cp_async_16 under an L2 cache policy (l2_evict_first_policy).
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid, uint64_t policy) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::128B [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes), "l"(policy)
+               : "memory");
+}
+
 // a * b + c with a 64-bit product and sum: one wide multiply-add (the compiler may widen first, then
 // multiply in 64 bits).
 __device__ __forceinline__ uint64_t mad_wide(uint32_t a, uint32_t b, uint64_t c) {
