@@ -170,11 +170,12 @@ def test_paged_attention_growing_scores(dtype: torch.dtype, key_growth: float, n
                      key_growth=key_growth)
 
 
-@pytest.mark.parametrize("head_size", [120, 128])
-@pytest.mark.parametrize(("num_seqs", "swizzled"), [(6, 1), (160, 0)])
-def test_paged_attention_layouts(head_size: int, num_seqs: int, swizzled: int) -> None:
-    """Grids of one wave of resident blocks (one slice a warp step) keep K/V rows swizzled in shared memory,
-    larger grids padded (head 120: a zero chunk either way); both against the CPU op."""
+@pytest.mark.parametrize(("head_size", "swizzled"), [(120, 1), (128, 1), (96, 0)])
+@pytest.mark.parametrize("num_seqs", [6, 160])
+def test_paged_attention_layouts(num_seqs: int, head_size: int, swizzled: int) -> None:
+    """The one-slice kernel keeps K/V rows swizzled in shared memory where a row is a multiple of 8 chunks
+    (head 120: padded to 128 with a zero chunk), in a grid of one wave and in one of several; other heads
+    take padded rows. Each against the CPU op."""
     generator = torch.Generator().manual_seed(head_size + num_seqs)
     seq_lens = torch.randint(0, 300, (num_seqs,), generator=generator).tolist()
     seq_lens[:3] = [1, 64, 299]

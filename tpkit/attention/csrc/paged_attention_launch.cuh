@@ -258,14 +258,13 @@ cudaError_t plan_mma(tpkit_paged_attention_args* a) {
   uint32_t mask = 0;
   err = plan_split(a, kernel, num_sms * std::max(blocks_per_sm, 1), write_cost, &mask);
   if (err != cudaSuccess) return err;
-  // Swizzled rows where the grid is one wave of resident blocks (split grids always are) and warps take one
-  // slice: there each block's own copy latency sets the time, and whole-sector copies take half the L2
-  // requests. Grids of several waves and two-slice steps ran slower swizzled, for a cause not found.
-  // (Measured on the H200, every row swizzled against padded: C2 50.8 -> 46.2 us, C4 78.7 -> 78.0, C1 268.3
-  // -> 267.8, C5 147.7 -> 153.8, two-slice C6 59.2 -> 62.5.) Swizzled rows are never longer than padded
-  // ones, so the pipeline depth, occupancy and partitions above still hold.
-  a->swizzled =
-      kSwizzleable<HEAD> && slices == 1 && grid_blocks(a) <= static_cast<int64_t>(num_sms) * blocks_per_sm;
+  // Swizzled rows where warps take one slice: whole-sector copies take two thirds of the L2 sectors and
+  // half the requests of padded rows. (Measured on the H200: C2 50.8 -> 46.2 us; with the K/V stream under
+  // the L2 evict-first policy, grids of several waves too, C1 265.4 -> 256.9, C5 138.3 -> 135.4, where
+  // before that policy they had run slower swizzled, C5 147.7 -> 153.8.) The two-slice kernel ran slower
+  // swizzled (C6 59.2 -> 62.5, before the warpgroup kernel took C6). Swizzled rows are never longer than
+  // padded ones, so the pipeline depth, occupancy and partitions above still hold.
+  a->swizzled = kSwizzleable<HEAD> && slices == 1;
   if (a->swizzled) {
     kernel = reinterpret_cast<const void*>(mma_kernel<T, HEAD>(1, true));
     smem = block_bytes(Swizzled::kRowBytes, stages);
