@@ -14,8 +14,6 @@ namespace tpkit {
 
 constexpr int kMergeThreads = 128;
 constexpr int kMergeRowsPerBlock = kMergeThreads / 32;
-// Partitions whose results a lane loads before their weights are known.
-constexpr int kMergePrefetch = 8;
 
 template <bool kMax>
 __device__ __forceinline__ float warp_reduce(float v) {
@@ -27,7 +25,8 @@ __device__ __forceinline__ float warp_reduce(float v) {
   return v;
 }
 
-template <typename T>
+// PREFETCH: partitions whose results a lane loads before their weights are known (launch_merge picks it).
+template <typename T, int PREFETCH>
 __global__ void __launch_bounds__(kMergeThreads) paged_attention_merge_kernel(const tpkit_paged_attention_args p) {
   extern __shared__ float weights_s[];  // [kMergeRowsPerBlock][num_partitions]
   const int warp = threadIdx.x >> 5;
@@ -54,9 +53,9 @@ __global__ void __launch_bounds__(kMergeThreads) paged_attention_merge_kernel(co
   float lane_lse = lane < used ? lse[lane] : -INFINITY;
   // The first partitions' results for the lane's first four columns are asked for with the log-sum-exps,
   // not after the weights: one round trip to L2 rather than two.
-  float4 first[kMergePrefetch];
+  float4 first[PREFETCH];
 #pragma unroll
-  for (int i = 0; i < kMergePrefetch; ++i) {
+  for (int i = 0; i < PREFETCH; ++i) {
     first[i] = i < used && lane < vecs ? parts[static_cast<int64_t>(i) * vecs + lane] : make_float4(0.f, 0.f, 0.f, 0.f);
   }
   float mx = lane_lse;
@@ -78,14 +77,14 @@ __global__ void __launch_bounds__(kMergeThreads) paged_attention_merge_kernel(co
     int i = 0;
     if (v == lane) {
 #pragma unroll
-      for (int j = 0; j < kMergePrefetch; ++j) {
+      for (int j = 0; j < PREFETCH; ++j) {
         const float w = j < used ? weights[j] : 0.f;
         acc.x = fmaf(w, first[j].x, acc.x);
         acc.y = fmaf(w, first[j].y, acc.y);
         acc.z = fmaf(w, first[j].z, acc.z);
         acc.w = fmaf(w, first[j].w, acc.w);
       }
-      i = kMergePrefetch;
+      i = PREFETCH;
     }
 #pragma unroll 4
     for (; i < used; ++i) {
