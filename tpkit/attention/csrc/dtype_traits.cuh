@@ -54,4 +54,12 @@ __device__ __forceinline__ void store4<float>(float* dst, float4 v) {
   *reinterpret_cast<float4*>(dst) = v;
 }
 
+// acc += w * x, four columns: a partition's weighted share of a merged row.
+__device__ __forceinline__ void fma4(float w, float4 x, float4& acc) {
+  acc.x = fmaf(w, x.x, acc.x);
+  acc.y = fmaf(w, x.y, acc.y);
+  acc.z = fmaf(w, x.z, acc.z);
+  acc.w = fmaf(w, x.w, acc.w);
+}
+
 }  // namespace tpkit

@@ -78,22 +78,13 @@ __global__ void __launch_bounds__(kMergeThreads) paged_attention_merge_kernel(co
     if (v == lane) {
 #pragma unroll
       for (int j = 0; j < PREFETCH; ++j) {
-        const float w = j < used ? weights[j] : 0.f;
-        acc.x = fmaf(w, first[j].x, acc.x);
-        acc.y = fmaf(w, first[j].y, acc.y);
-        acc.z = fmaf(w, first[j].z, acc.z);
-        acc.w = fmaf(w, first[j].w, acc.w);
+        fma4(j < used ? weights[j] : 0.f, first[j], acc);
       }
       i = PREFETCH;
     }
 #pragma unroll 4
     for (; i < used; ++i) {
-      const float w = weights[i];
-      const float4 x = parts[static_cast<int64_t>(i) * vecs + v];
-      acc.x = fmaf(w, x.x, acc.x);
-      acc.y = fmaf(w, x.y, acc.y);
-      acc.z = fmaf(w, x.z, acc.z);
-      acc.w = fmaf(w, x.w, acc.w);
+      fma4(weights[i], parts[static_cast<int64_t>(i) * vecs + v], acc);
     }
     store4(out + 4 * v, make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
   }

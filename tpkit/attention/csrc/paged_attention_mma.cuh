@@ -162,10 +162,7 @@ __device__ __forceinline__ void merge_in_cluster(int num_parts, int rows_valid, 
         const float lse = cluster_load(cluster_map(lse_addr, c));
         const float4 x = cluster_load4(cluster_map(o_addr, c));
         const float w = lse == -INFINITY ? 0.f : fast_exp2(lse - mx);
-        acc.x = fmaf(w, x.x, acc.x);
-        acc.y = fmaf(w, x.y, acc.y);
-        acc.z = fmaf(w, x.z, acc.z);
-        acc.w = fmaf(w, x.w, acc.w);
+        fma4(w, x, acc);
         sum += w;
       }
     }
