@@ -45,8 +45,8 @@ def _no_compute(tree: Path) -> None:
     _edit(tree / CSRC / "paged_attention_mma.cuh", "    if (warp_active) {\n      for (int tok0",
           "    if (warp_active && num_tiles < 0) {\n      for (int tok0")
     wgmma = tree / CSRC / "paged_attention_wgmma.cuh"
-    _edit(wgmma, "    const int tile_start = start + tile * kTileTokens;\n",
-          "    if (num_tiles < 0) {\n    const int tile_start = start + tile * kTileTokens;\n")
+    tile_start = "    const int tile_start = start + (tile * WARPGROUPS + wg) * kTileTokens;\n"
+    _edit(wgmma, tile_start, "    if (num_tiles < 0) {\n" + tile_start)
     _edit(wgmma, "    wgmma_wait<0>();  // the stage is refilled after the barrier below\n",
           "    wgmma_wait<0>();  // the stage is refilled after the barrier below\n    }\n")
 
@@ -66,7 +66,7 @@ def _forced_stages(tree: Path) -> None:
   if (err != cudaSuccess) return err;
   if (const char* forced = getenv("TPKIT_DIAG_STAGES")) {
     stages = atoi(forced);
-    smem = wgmma_smem_bytes<T>(stages);
+    smem = wgmma_smem_bytes<T>(stages, 1);
     if ((err = kernel_occupancy(kernel, kWgmmaThreads, smem, &blocks_per_sm)) != cudaSuccess) return err;
   }
   a->m_groups = ceil_div(a->group_size, kWgmmaRows);""")
@@ -86,10 +86,11 @@ def _forced_partitions(tree: Path) -> None:
 
 
 def _no_tiles(tree: Path) -> None:
-    for name in ("paged_attention_mma.cuh", "paged_attention_wgmma.cuh"):
+    for name, count in (("paged_attention_mma.cuh", "num_tiles"),
+                        ("paged_attention_wgmma.cuh", "block_tiles")):
         _edit(tree / CSRC / name,
-              "  const int num_tiles = end > start ? (end - start + kTileTokens - 1) / kTileTokens : 0;\n",
-              "  const int num_tiles = 0;\n")
+              f"  const int {count} = end > start ? (end - start + kTileTokens - 1) / kTileTokens : 0;\n",
+              f"  const int {count} = 0;\n")
 
 
 def _no_merge_kernel(tree: Path) -> None:

@@ -207,16 +207,40 @@ def test_paged_attention_merge_paths(head_size: int, seq_len: int, cluster_merge
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="needs compute 9.0 (the warpgroup kernel)")
-def test_paged_attention_small_grid_deep_pipeline() -> None:
+def test_paged_attention_small_grid_two_warpgroups() -> None:
     """C3's shape (8 sequences of up to 2048 tokens, MQA 48:1, head 128) splits into fewer blocks than the
-    GPU has SMs, so the warpgroup kernel takes its deepest pipeline; against the CPU op, with empty and
-    short sequences whose later partitions hold nothing."""
+    GPU has SMs, so the warpgroup kernel runs two warpgroups a block, on alternate tiles of its partition;
+    against the CPU op, with empty and short sequences whose later partitions, or second warpgroups, hold
+    nothing."""
     seq_lens = [0, 17, 64, 65, 1000, 1024, 2047, 2048]
     plan = _plan(torch.float16, 128, 16, 48, 1, seq_lens)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert plan["wgmma"] == 1 and len(seq_lens) * plan["num_partitions"] <= num_sms, plan
-    assert plan["num_stages"] == 4, plan
+    assert (plan["warpgroups"], plan["num_stages"]) == (2, 2), plan
     _check_attention(torch.float16, 128, 16, 48, 1, seq_lens, alibi=False, seed=11)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="needs compute 9.0 (the warpgroup kernel)")
+@pytest.mark.parametrize("alibi", [False, True])
+@pytest.mark.parametrize(("num_seqs", "max_len", "warpgroups", "num_partitions", "cluster_merge"),
+                         [(64, 4096, 2, 2, 1), (32, 8176, 1, 8, 0), (160, 300, 1, 1, 0)])
+def test_paged_attention_warpgroup_plans(num_seqs: int, max_len: int, warpgroups: int, num_partitions: int,
+                                         cluster_merge: int, alibi: bool) -> None:
+    """MQA 48:1, head 128, in grids of more blocks than SMs. C6's shape (64 sequences of up to 4096 tokens):
+    one warpgroup a block would split each sequence into 4 partitions whose clusters do not all fit, so the
+    plan runs two warpgroups a block, on alternate tiles, and merges 2 partitions in their clusters. 32
+    sequences of up to 8176 tokens (a table of 8192) keep one warpgroup and the merge kernel (clusters of 4
+    would not fit), 160 short ones one warpgroup unsplit. Plans as on a 132-SM GPU; against the CPU op, with
+    lengths that leave the second warpgroup, or a whole block, without a tile."""
+    generator = torch.Generator().manual_seed(num_seqs)
+    seq_lens = torch.randint(1, max_len + 1, (num_seqs,), generator=generator).tolist()
+    seq_lens[:8] = [0, 1, 64, 65, 128, 129, max_len - 1, max_len]
+    plan = _plan(torch.bfloat16, 128, 16, 48, 1, seq_lens)
+    if torch.cuda.get_device_properties(0).multi_processor_count == 132:
+        expected = (warpgroups, num_partitions, cluster_merge)
+        assert (plan["warpgroups"], plan["num_partitions"], plan["cluster_merge"]) == expected, plan
+    _check_attention(torch.bfloat16, 128, 16, 48, 1, seq_lens, alibi=alibi, seed=num_seqs)
 
 
 def test_paged_attention_strided_query() -> None:

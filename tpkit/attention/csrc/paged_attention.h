@@ -52,6 +52,7 @@ typedef struct {
   int slices;          // 16-token slices a warp takes per step of the mma kernel (1 or 2)
   int swizzled;        // 1: the mma kernel's shared-memory rows are swizzled, 0: padded
   int wgmma;           // 1: the warpgroup kernel (sm_90a builds, large groups), 0: the mma or fp32 kernel
+  int warpgroups;      // warpgroups a block of the warpgroup kernel (1 or 2, each on alternate tiles); else 1
   int num_stages;      // cp.async pipeline depth
   int threads;
   int smem_bytes;

@@ -171,19 +171,18 @@ inline cudaError_t wgmma_available(bool* available) {
   return cudaSuccess;
 }
 
-// The warpgroup kernel (paged_attention_wgmma.cuh): up to 64 query heads of a KV head a block.
+// The warpgroup kernel (paged_attention_wgmma.cuh): up to 64 query heads of a KV head a block, taken by one
+// warpgroup or, in the two cases below, by two that share the block's tiles.
 template <typename T>
 cudaError_t plan_wgmma(tpkit_paged_attention_args* a) {
   int num_sms = 0;
   cudaError_t err = current_device_attribute(cudaDevAttrMultiProcessorCount, &num_sms);
   if (err != cudaSuccess) return err;
-  const void* kernel = reinterpret_cast<const void*>(&paged_attention_wgmma_kernel<T>);
+  const void* kernel = reinterpret_cast<const void*>(&paged_attention_wgmma_kernel<T, 1>);
   int stages = 0, smem = 0, blocks_per_sm = 0;
-  const auto pipeline = [&](bool prefer_depth) {
-    return choose_pipeline(kernel, kWgmmaThreads, [](int s) { return wgmma_smem_bytes<T>(s); }, prefer_depth,
-                           &stages, &smem, &blocks_per_sm);
-  };
-  if ((err = pipeline(false)) != cudaSuccess) return err;
+  err = choose_pipeline(kernel, kWgmmaThreads, [](int s) { return wgmma_smem_bytes<T>(s, 1); }, false, &stages,
+                        &smem, &blocks_per_sm);
+  if (err != cudaSuccess) return err;
   a->m_groups = ceil_div(a->group_size, kWgmmaRows);
   a->rows_per_cta = kWgmmaRows;
   a->warps_m = kWgmmaThreads / 32;
@@ -191,6 +190,7 @@ cudaError_t plan_wgmma(tpkit_paged_attention_args* a) {
   a->slices = 1;
   a->swizzled = 0;
   a->wgmma = 1;
+  a->warpgroups = 1;
   a->num_stages = stages;
   a->threads = kWgmmaThreads;
   a->smem_bytes = smem;
@@ -198,17 +198,44 @@ cudaError_t plan_wgmma(tpkit_paged_attention_args* a) {
   const double write_cost = rows_written * (kWgmmaHead + 1) * 4.0 / (2.0 * kTileTokens * kWgmmaHead * sizeof(T));
   uint32_t mask = 0;
   if ((err = plan_split(a, kernel, num_sms * blocks_per_sm, write_cost, &mask)) != cudaSuccess) return err;
+
+  // Two warpgroups a block, 2 stages each (3 ran C6 at 40.7 us against 38.3 and C3 at 10.3 against 10.2 on
+  // the H200): their shared memory leaves one block an SM.
+  const void* two = reinterpret_cast<const void*>(&paged_attention_wgmma_kernel<T, 2>);
+  int smem_limit = 0;
+  if ((err = kernel_dynamic_smem_limit(two, &smem_limit)) != cudaSuccess) return err;
+  const bool two_fit = wgmma_smem_bytes<T>(2, 2) <= smem_limit;
+  const auto two_warpgroups = [](tpkit_paged_attention_args* b) {
+    b->warpgroups = 2;
+    b->threads = 2 * kWgmmaThreads;
+    b->num_stages = 2;
+    b->smem_bytes = wgmma_smem_bytes<T>(2, 2);
+  };
   // A grid that leaves every SM at most one block has no use for the occupancy the pipeline's depth was
-  // traded for: there the deepest pipeline keeps more of each block's tiles in flight, and the split is
-  // planned again for it. (Measured on the H200, 4 stages against 2: C3 11.5 -> 11.3 us, 16 sequences of
-  // 16384 tokens at 48:1 45.1 -> 44.6; 3 stages did as well as 4 on C3.)
-  if (blocks_per_sm > 1 && grid_blocks(a) <= num_sms) {
-    if ((err = pipeline(true)) != cudaSuccess) return err;
-    a->num_stages = stages;
-    a->smem_bytes = smem;
-    if ((err = plan_split(a, kernel, num_sms * blocks_per_sm, write_cost, &mask)) != cudaSuccess) return err;
+  // traded for: there two warpgroups a block share each block's tiles, so every SM has twice the tiles in
+  // flight and each warpgroup half the chain of tiles to go through; the split is planned again for one block
+  // an SM. (Measured on the H200: C3 11.3 -> 10.2 us, against one warpgroup with the deepest pipeline, which
+  // had itself taken C3 from 11.5 us to 11.3.)
+  if (two_fit && blocks_per_sm > 1 && grid_blocks(a) <= num_sms) {
+    two_warpgroups(a);
+    if ((err = plan_split(a, two, num_sms, write_cost, &mask)) != cudaSuccess) return err;
+    set_cluster_merge(a, mask);
+    return cudaSuccess;
   }
   set_cluster_merge(a, mask);
+  // A split that the merge kernel would finish, in more blocks than SMs: half as many partitions, each twice
+  // as long, in blocks of two warpgroups keep as many tiles streaming on every SM, and are taken where their
+  // clusters all fit at once: they merge there, with no merge kernel. (Measured on the H200, C6, 4
+  // partitions -> 2: 40.0 -> 38.5 us.)
+  if (two_fit && a->num_partitions % 2 == 0 && !a->cluster_merge && grid_blocks(a) > num_sms) {
+    tpkit_paged_attention_args b = *a;
+    two_warpgroups(&b);
+    b.num_partitions /= 2;
+    b.partition_size *= 2;
+    if ((err = cluster_merge_mask(&b, two, &mask)) != cudaSuccess) return err;
+    set_cluster_merge(&b, mask);
+    if (b.cluster_merge) *a = b;
+  }
   return cudaSuccess;
 }
 
@@ -223,6 +250,7 @@ cudaError_t plan_mma(tpkit_paged_attention_args* a) {
     if (available && a->group_size > 32) return plan_wgmma<T>(a);
   }
   a->wgmma = 0;
+  a->warpgroups = 1;
   using Padded = MmaLayout<HEAD, false>;
   using Swizzled = MmaLayout<HEAD, kSwizzleable<HEAD>>;
   int num_sms = 0;
@@ -289,7 +317,8 @@ cudaError_t launch_mma(const tpkit_paged_attention_args* a, cudaStream_t stream)
   const dim3 grid(a->num_kv_heads * a->m_groups, a->num_partitions, a->num_seqs);
   if constexpr (HEAD == kWgmmaHead) {
     if (a->wgmma) {
-      const cudaError_t err = launch_dependent(paged_attention_wgmma_kernel<T>, grid, a->threads, a->smem_bytes,
+      const auto kernel = a->warpgroups == 2 ? paged_attention_wgmma_kernel<T, 2> : paged_attention_wgmma_kernel<T, 1>;
+      const cudaError_t err = launch_dependent(kernel, grid, a->threads, a->smem_bytes,
                                                a->cluster_merge ? a->num_partitions : 1, a, stream);
       if (err != cudaSuccess) return err;
       return launch_merge<T>(a, stream);
@@ -324,6 +353,7 @@ cudaError_t plan_fp32(tpkit_paged_attention_args* a) {
   a->slices = 1;
   a->swizzled = 0;
   a->wgmma = 0;
+  a->warpgroups = 1;
   a->num_stages = 1;
   a->threads = kFp32Threads;
   a->smem_bytes = smem;

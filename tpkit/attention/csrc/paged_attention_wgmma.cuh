@@ -9,7 +9,10 @@
 // registers. K/V pages stream through the mma kernel's cp.async pipeline of 64-token tiles, into the
 // 128-byte-swizzled planes of wgmma.cuh; the query the same, once. Split sequences merge their partitions
 // as the mma kernel does: in a thread-block cluster where the plan finds every cluster resident at once,
-// else in the merge kernel.
+// else in the merge kernel. A block may hold two warpgroups (WARPGROUPS), each streaming alternate tiles
+// of the block's partition through its own stages: an SM then runs the two streams of two one-warpgroup
+// blocks with half the partitions to merge, which lets splits that the merge kernel would finish merge in
+// their clusters.
 #pragma once
 
 #include <math.h>
@@ -27,11 +30,12 @@ constexpr int kWgmmaRows = 64;      // query rows a block's products take (the g
 constexpr int kWgmmaThreads = 128;  // one warpgroup
 constexpr int kPlaneBytes = 64 * 128;  // 64 rows x 128 bytes: 64 columns of a 64-row operand
 constexpr int kPartialStride = kWgmmaHead + 4;  // floats a row of the cluster merge's partial results
-// Q, then each stage's K and V (2 planes each); the base rounded up to 1024 bytes at run time.
+constexpr int kStateStride = 64 + 4;  // floats a thread's O, m and l take when two warpgroups meet
+// Q, then each warpgroup's stages of K and V (2 planes each); the base rounded up to 1024 bytes at run time.
 template <typename T>
-constexpr int wgmma_smem_bytes(int stages) {
+constexpr int wgmma_smem_bytes(int stages, int warpgroups) {
   return 1024 + kWgmmaRows * kWgmmaHead * static_cast<int>(sizeof(T)) +
-         stages * 2 * kTileTokens * kWgmmaHead * static_cast<int>(sizeof(T));
+         warpgroups * stages * 2 * kTileTokens * kWgmmaHead * static_cast<int>(sizeof(T));
 }
 
 // Byte offset of 16-byte chunk c of row r in 64-row planes (wgmma.cuh).
@@ -39,8 +43,12 @@ __device__ __forceinline__ uint32_t plane_offset(int r, int c) {
   return (c >> 3) * kPlaneBytes + r * 128 + (((c & 7) ^ (r & 7)) << 4);
 }
 
-template <typename T>
-__global__ void __launch_bounds__(kWgmmaThreads) paged_attention_wgmma_kernel(const tpkit_paged_attention_args p) {
+// WARPGROUPS: 1 or 2 (the plan's `warpgroups`). Warpgroup wg takes tiles wg, wg + 2, ... of the block's
+// partition; the two meet in shared memory before the epilogue. Two ask for one block an SM (their shared
+// memory allows no more), else ptxas caps them at 128 registers; one leaves the minimum unset (0).
+template <typename T, int WARPGROUPS>
+__global__ void __launch_bounds__(kWgmmaThreads * WARPGROUPS, WARPGROUPS == 1 ? 0 : 1)
+    paged_attention_wgmma_kernel(const tpkit_paged_attention_args p) {
 #if TPKIT_WGMMA_AVAILABLE
   using Traits = DTypeTraits<T>;
   static_assert(sizeof(T) == 2, "fp16 or bf16");
@@ -48,20 +56,24 @@ __global__ void __launch_bounds__(kWgmmaThreads) paged_attention_wgmma_kernel(co
   constexpr int kLoadIters = kTileTokens * C / kWgmmaThreads;     // copies a thread issues per tile and operand
   constexpr uint32_t kStageBytes = 2 * 2 * kPlaneBytes;           // K, then V
   static_assert(kWgmmaRows * kPartialStride * 4 <= 2 * kStageBytes, "the cluster merge's partials fit 2 stages");
+  static_assert(kWgmmaThreads * kStateStride * 4 <= 2 * kStageBytes, "a warpgroup's state fits its 2 stages");
+  static_assert(WARPGROUPS == 1 || WARPGROUPS == 2, "one or two warpgroups");
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // Swizzle atoms start on 1024-byte boundaries (descriptor base offset 0).
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t q_s = (raw + 1023) & ~1023u;  // [2 planes][64 rows][128 bytes]
-  const uint32_t kv_s = q_s + 2 * kPlaneBytes;  // [num_stages][K 2 planes, V 2 planes][64 rows][128 bytes]
+  // [WARPGROUPS][num_stages][K 2 planes, V 2 planes][64 rows][128 bytes]
+  const uint32_t kv_s0 = q_s + 2 * kPlaneBytes;
 
   const int kv_head = blockIdx.x / p.m_groups;
   const int m_group = blockIdx.x - kv_head * p.m_groups;
   const int partition = blockIdx.y;
   const int seq = blockIdx.z;
-  const int tid = threadIdx.x;
+  const int wg = WARPGROUPS == 1 ? 0 : threadIdx.x / kWgmmaThreads;
+  const int tid = WARPGROUPS == 1 ? threadIdx.x : threadIdx.x % kWgmmaThreads;  // within the warpgroup
   const int lane = tid & 31;
-  const int warp = tid >> 5;
+  const int warp = tid >> 5;  // within the warpgroup: rows 16 warp .. 16 warp + 15
   const int first_row = m_group * kWgmmaRows;
   const int rows_valid = min(kWgmmaRows, p.group_size - first_row);
   const int head0 = kv_head * p.group_size + first_row;
@@ -72,6 +84,7 @@ __global__ void __launch_bounds__(kWgmmaThreads) paged_attention_wgmma_kernel(co
   const int start = partition * p.partition_size;
   const int table_end = min(start + p.partition_size, capacity);
   const int num_stages = p.num_stages;
+  const uint32_t kv_s = kv_s0 + wg * num_stages * kStageBytes;  // this warpgroup's stages
 
   const T* k_base = static_cast<const T*>(p.key_cache) + static_cast<int64_t>(kv_head) * p.k_stride_head;
   const T* v_base = static_cast<const T*>(p.value_cache) + static_cast<int64_t>(kv_head) * p.v_stride_head;
@@ -80,9 +93,11 @@ __global__ void __launch_bounds__(kWgmmaThreads) paged_attention_wgmma_kernel(co
   const int bs_mask = (1 << bs_log2) - 1;
   const int pages_per_tile = kTileTokens >> bs_log2;
 
-  __shared__ int page_s[kPageRing][kTileTokens / kMinBlockSize];
+  // A warpgroup's tiles are counted in its own order: its tile t is the block's tile t * WARPGROUPS + wg.
+  __shared__ int page_s[WARPGROUPS][kPageRing][kTileTokens / kMinBlockSize];
+  int(*const page_ring)[kTileTokens / kMinBlockSize] = page_s[wg];
   auto page_of = [&](int tile, int j) -> int {
-    const int pos = start + tile * kTileTokens + (j << bs_log2);
+    const int pos = start + (tile * WARPGROUPS + wg) * kTileTokens + (j << bs_log2);
     return pos < table_end ? __ldg(bt_row + (pos >> bs_log2)) : -1;
   };
 
@@ -90,7 +105,7 @@ __global__ void __launch_bounds__(kWgmmaThreads) paged_attention_wgmma_kernel(co
   const int first_page = reads_page ? page_of(tid / pages_per_tile, tid % pages_per_tile) : -1;
   {
     const T* q_base = static_cast<const T*>(p.query) + static_cast<int64_t>(seq) * p.q_stride_seq;
-    for (int i = tid; i < kWgmmaRows * C; i += kWgmmaThreads) {
+    for (int i = threadIdx.x; i < kWgmmaRows * C; i += kWgmmaThreads * WARPGROUPS) {
       const int r = i / C;
       const int c = i - r * C;
       const bool valid = r < rows_valid;  // padding rows: zeros
@@ -109,7 +124,8 @@ __global__ void __launch_bounds__(kWgmmaThreads) paged_attention_wgmma_kernel(co
     cp_async_wait<0>();
     return;
   }
-  const int num_tiles = end > start ? (end - start + kTileTokens - 1) / kTileTokens : 0;
+  const int block_tiles = end > start ? (end - start + kTileTokens - 1) / kTileTokens : 0;
+  const int num_tiles = (block_tiles - wg + WARPGROUPS - 1) / WARPGROUPS;  // this warpgroup's
 
   const uint32_t k_block_bytes = static_cast<uint32_t>(p.k_stride_block * sizeof(T));
   const uint32_t k_token_bytes = static_cast<uint32_t>(p.k_stride_token * sizeof(T));
@@ -121,8 +137,8 @@ __global__ void __launch_bounds__(kWgmmaThreads) paged_attention_wgmma_kernel(co
 
   // Copies tile `tile` (64 tokens of K and V) into pipeline stage `stage`; zero-fills masked tokens.
   auto issue_tile = [&](int tile, int stage) {
-    const int tile_tokens = end - (start + tile * kTileTokens);
-    const int* pages = page_s[tile % kPageRing];
+    const int tile_tokens = end - (start + (tile * WARPGROUPS + wg) * kTileTokens);
+    const int* pages = page_ring[tile % kPageRing];
     const uint64_t stream_policy = l2_evict_first_policy();
     const uint32_t k_dst = kv_s + stage * kStageBytes;
 #pragma unroll
@@ -142,11 +158,27 @@ __global__ void __launch_bounds__(kWgmmaThreads) paged_attention_wgmma_kernel(co
     }
   };
 
-  if (reads_page) page_s[(tid / pages_per_tile) % kPageRing][tid % pages_per_tile] = first_page;
+  // Two warpgroups wait for their own copies only (named barriers), never for each other's.
+  auto warpgroup_sync = [&] {
+    if constexpr (WARPGROUPS == 1) {
+      __syncthreads();
+    } else if (wg == 0) {
+      named_barrier_sync<1, kWgmmaThreads>();
+    } else {
+      named_barrier_sync<2, kWgmmaThreads>();
+    }
+  };
+
+  if (reads_page) page_ring[(tid / pages_per_tile) % kPageRing][tid % pages_per_tile] = first_page;
   __syncthreads();  // page_s
   for (int s = 0; s < num_stages - 1; ++s) {
     if (s < num_tiles) issue_tile(s, s);
     cp_async_commit();
+  }
+  if constexpr (WARPGROUPS > 1) {
+    // Both warpgroups' threads copied the query: all of it lands before either reads it.
+    cp_async_wait_dynamic(num_stages - 1);
+    __syncthreads();
   }
 
   const int row0 = warp * 16 + (lane >> 2);  // this thread's two rows of S and O
@@ -178,9 +210,9 @@ __global__ void __launch_bounds__(kWgmmaThreads) paged_attention_wgmma_kernel(co
     cp_async_commit();
     cp_async_wait_dynamic(num_stages - 1);  // this tile (and, the first time, the query) has landed
     fence_proxy_async_shared();             // ... and is visible to wgmma
-    __syncthreads();
+    warpgroup_sync();
 
-    const int tile_start = start + tile * kTileTokens;
+    const int tile_start = start + (tile * WARPGROUPS + wg) * kTileTokens;
     const uint64_t k_desc = wgmma_desc_advance(k_desc0, stage * kStageBytes);
     const uint64_t v_desc = wgmma_desc_advance(v_desc0, stage * kStageBytes);
 
@@ -226,16 +258,50 @@ __global__ void __launch_bounds__(kWgmmaThreads) paged_attention_wgmma_kernel(co
     wgmma_commit();
     wgmma_wait<0>();  // the stage is refilled after the barrier below
 
-    if (tid < pages_per_tile) page_s[ahead % kPageRing][tid] = ahead_page;
-    __syncthreads();
+    if (tid < pages_per_tile) page_ring[ahead % kPageRing][tid] = ahead_page;
+    warpgroup_sync();
   }
   cp_async_wait<0>();  // trailing (empty) groups; the stage buffers become the cluster merge's
   grid_launch_dependents();
+  if constexpr (WARPGROUPS == 2) {
+    // Thread tid of either warpgroup holds the same rows and columns: the second leaves its O, m and l in
+    // its own stages (no longer read), the first rescales both to the larger max and adds them.
+    float* state = reinterpret_cast<float*>(smem_raw + (kv_s0 + num_stages * kStageBytes - raw)) + tid * kStateStride;
+    if (wg == 1) {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        *reinterpret_cast<float4*>(state + 4 * i) = make_float4(o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]);
+      }
+      *reinterpret_cast<float4*>(state + 64) = make_float4(m0, m1, l0, l1);
+    }
+    __syncthreads();
+    if (wg == 0) {
+      const float4 other = *reinterpret_cast<const float4*>(state + 64);  // m0, m1, l0, l1
+      const float mx0 = fmaxf(m0, other.x), mx1 = fmaxf(m1, other.y);
+      // A warpgroup that attended nothing in a row (-inf) weighs 0 there.
+      const float a0 = m0 == -INFINITY ? 0.f : fast_exp2(m0 - mx0);
+      const float a1 = m1 == -INFINITY ? 0.f : fast_exp2(m1 - mx1);
+      const float b0 = other.x == -INFINITY ? 0.f : fast_exp2(other.x - mx0);
+      const float b1 = other.y == -INFINITY ? 0.f : fast_exp2(other.y - mx1);
+      m0 = mx0;
+      m1 = mx1;
+      l0 = fmaf(l0, a0, other.z * b0);
+      l1 = fmaf(l1, a1, other.w * b1);
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const float4 x = *reinterpret_cast<const float4*>(state + 4 * i);
+        o[4 * i] = fmaf(o[4 * i], a0, x.x * b0);
+        o[4 * i + 1] = fmaf(o[4 * i + 1], a0, x.y * b0);
+        o[4 * i + 2] = fmaf(o[4 * i + 2], a1, x.z * b1);
+        o[4 * i + 3] = fmaf(o[4 * i + 3], a1, x.w * b1);
+      }
+    }
+  }
 
   // Epilogue, from registers: each row's output (or, split, its normalised partial and log-sum-exp: in
   // this block's shared memory for the cluster merge, else in global memory for the merge kernel).
   __shared__ float row_lse[kWgmmaRows];
-  float* partial = reinterpret_cast<float*>(smem_raw + (kv_s - raw));  // [kWgmmaRows][kPartialStride]
+  float* partial = reinterpret_cast<float*>(smem_raw + (kv_s0 - raw));  // [kWgmmaRows][kPartialStride]
   auto out_row = [&](int r) {
     return static_cast<T*>(p.out) + static_cast<int64_t>(seq) * p.o_stride_seq +
            static_cast<int64_t>(head0 + r) * p.o_stride_head;
@@ -244,8 +310,9 @@ __global__ void __launch_bounds__(kWgmmaThreads) paged_attention_wgmma_kernel(co
   l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
   l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
   l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  // The first warpgroup writes (with two, it holds the block's result).
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
+  for (int half = 0; half < 2 && wg == 0; ++half) {
     const int r = half == 0 ? row0 : row1;
     if (r >= rows_valid) continue;
     const float sum = half == 0 ? l0 : l1;

@@ -103,6 +103,14 @@ __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[
   }
 }
 
+// Barrier ID (1-15; __syncthreads takes 0) among THREADS threads of the block, whole warps: lets groups of
+// warps wait for their own work only. Immediate operands: a barrier id in a register reserves all 16.
+template <int ID, int THREADS>
+__device__ __forceinline__ void named_barrier_sync() {
+  static_assert(ID > 0 && ID < 16 && THREADS % 32 == 0, "barrier 1-15, whole warps");
+  asm volatile("bar.sync %0, %1;\n" ::"n"(ID), "n"(THREADS) : "memory");
+}
+
 // Programmatic dependent launch (sm_90+; no-ops before, and when the launch was not programmatic): the
 // primary grid lets its dependent grid start launching; the dependent waits for the primary's results.
 __device__ __forceinline__ void grid_launch_dependents() {
