@@ -87,8 +87,8 @@ std::map<std::string, int64_t> plan(const at::Tensor& query, const at::Tensor& k
   check_launch(tpkit_paged_attention_plan(&a), "paged_attention planning");
   return {{"num_partitions", a.num_partitions}, {"partition_size", a.partition_size}, {"m_groups", a.m_groups},
           {"warps_m", a.warps_m}, {"warps_n", a.warps_n}, {"slices", a.slices}, {"swizzled", a.swizzled},
-          {"wgmma", a.wgmma}, {"warpgroups", a.warpgroups}, {"num_stages", a.num_stages}, {"threads", a.threads}, {"smem_bytes", a.smem_bytes},
-          {"cluster_merge", a.cluster_merge}};
+          {"wgmma", a.wgmma}, {"warpgroups", a.warpgroups}, {"num_stages", a.num_stages}, {"threads", a.threads},
+          {"smem_bytes", a.smem_bytes}, {"cluster_merge", a.cluster_merge}};
 }
 
 void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,

@@ -317,7 +317,8 @@ cudaError_t launch_mma(const tpkit_paged_attention_args* a, cudaStream_t stream)
   const dim3 grid(a->num_kv_heads * a->m_groups, a->num_partitions, a->num_seqs);
   if constexpr (HEAD == kWgmmaHead) {
     if (a->wgmma) {
-      const auto kernel = a->warpgroups == 2 ? paged_attention_wgmma_kernel<T, 2> : paged_attention_wgmma_kernel<T, 1>;
+      const auto kernel =
+          a->warpgroups == 2 ? paged_attention_wgmma_kernel<T, 2> : paged_attention_wgmma_kernel<T, 1>;
       const cudaError_t err = launch_dependent(kernel, grid, a->threads, a->smem_bytes,
                                                a->cluster_merge ? a->num_partitions : 1, a, stream);
       if (err != cudaSuccess) return err;

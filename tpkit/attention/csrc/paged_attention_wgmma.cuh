@@ -266,7 +266,8 @@ __global__ void __launch_bounds__(kWgmmaThreads * WARPGROUPS, WARPGROUPS == 1 ? 
   if constexpr (WARPGROUPS == 2) {
     // Thread tid of either warpgroup holds the same rows and columns: the second leaves its O, m and l in
     // its own stages (no longer read), the first rescales both to the larger max and adds them.
-    float* state = reinterpret_cast<float*>(smem_raw + (kv_s0 + num_stages * kStageBytes - raw)) + tid * kStateStride;
+    const uint32_t second_stages = kv_s0 + num_stages * kStageBytes;
+    float* state = reinterpret_cast<float*>(smem_raw + (second_stages - raw)) + tid * kStateStride;
     if (wg == 1) {
 #pragma unroll
       for (int i = 0; i < 16; ++i) {
