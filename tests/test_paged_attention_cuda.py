@@ -197,7 +197,8 @@ def test_paged_attention_merge_paths(head_size: int, seq_len: int, cluster_merge
     """On Hopper, a split into at most 8 partitions merges inside a thread-block cluster; more partitions
     (8 sequences of 8192 tokens, MQA 48:1: 16 or more partitions beat 8 by more than the merge kernel's
     cost) take the merge kernel. Head 120 runs the mma kernel, head 128 the warpgroup kernel (compute
-    9.0). Both against the CPU op, with empty and short sequences whose later partitions hold nothing."""
+    9.0; two warpgroups a block in these grids of fewer blocks than SMs). Both against the CPU op, with empty
+    and short sequences whose later partitions hold nothing."""
     seq_lens = [0, 1, 17, 64, 65, seq_len // 2, seq_len - 1, seq_len]
     plan = _plan(torch.float16, head_size, 16, 48, 1, seq_lens)
     assert plan["num_partitions"] > 1 and plan["cluster_merge"] == cluster_merge, plan
@@ -224,15 +225,16 @@ def test_paged_attention_small_grid_two_warpgroups() -> None:
                     reason="needs compute 9.0 (the warpgroup kernel)")
 @pytest.mark.parametrize("alibi", [False, True])
 @pytest.mark.parametrize(("num_seqs", "max_len", "warpgroups", "num_partitions", "cluster_merge"),
-                         [(64, 4096, 2, 2, 1), (32, 8176, 1, 8, 0), (160, 300, 1, 1, 0)])
+                         [(64, 4096, 2, 2, 1), (32, 8176, 1, 8, 0), (32, 8192, 1, 7, 1), (160, 300, 1, 1, 0)])
 def test_paged_attention_warpgroup_plans(num_seqs: int, max_len: int, warpgroups: int, num_partitions: int,
                                          cluster_merge: int, alibi: bool) -> None:
     """MQA 48:1, head 128, in grids of more blocks than SMs. C6's shape (64 sequences of up to 4096 tokens):
     one warpgroup a block would split each sequence into 4 partitions whose clusters do not all fit, so the
     plan runs two warpgroups a block, on alternate tiles, and merges 2 partitions in their clusters. 32
     sequences of up to 8176 tokens (a table of 8192) keep one warpgroup and the merge kernel (clusters of 4
-    would not fit), 160 short ones one warpgroup unsplit. Plans as on a 132-SM GPU; against the CPU op, with
-    lengths that leave the second warpgroup, or a whole block, without a tile."""
+    would not fit); of up to 8192 (a table of 8208) one warpgroup and 7 partitions merged in their clusters;
+    160 short ones one warpgroup unsplit. Plans as on a 132-SM GPU; against the CPU op, with lengths that
+    leave the second warpgroup, or a whole block, without a tile."""
     generator = torch.Generator().manual_seed(num_seqs)
     seq_lens = torch.randint(1, max_len + 1, (num_seqs,), generator=generator).tolist()
     seq_lens[:8] = [0, 1, 64, 65, 128, 129, max_len - 1, max_len]
