@@ -245,6 +245,58 @@ def test_paged_attention_warpgroup_plans(num_seqs: int, max_len: int, warpgroups
     _check_attention(torch.bfloat16, 128, 16, 48, 1, seq_lens, alibi=alibi, seed=num_seqs)
 
 
+@pytest.mark.parametrize(("dtype", "num_heads", "num_kv_heads"),
+                         [(torch.bfloat16, 8, 2), (torch.bfloat16, 96, 2), (torch.float32, 8, 2)],
+                         ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize("layout", ["head_major", "sequence_major"])
+def test_paged_attention_cache_views(layout: str, dtype: torch.dtype, num_heads: int,
+                                     num_kv_heads: int) -> None:
+    """Caches passed as views with strides other than row-major [num_blocks, block_size, num_kv_heads,
+    head_size]: stored head-major ([num_blocks, num_kv_heads, block_size, head_size], permuted), or as SDPA
+    takes K/V ([num_seqs, num_kv_heads, max_len, head_size]: a sequence's pages in order, NaN past its
+    length, the head stride max_len * head_size, blocks overlapping). The mma kernel (group 4), the fp32
+    kernel and, on compute 9.0, the warpgroup kernel (group 48); against the CPU op on the same views. (Two
+    KV heads: with one, either view is row-major.)"""
+    generator = torch.Generator().manual_seed(len(layout) + num_heads)
+    head_size, block_size, max_len = 128, 16, 2048
+    seq_lens = [1, 300, max_len, 64, 1000, 17]
+    num_seqs, pages = len(seq_lens), max_len // block_size
+    if layout == "head_major":
+        key_cache, value_cache, block_tables = _make_paged(seq_lens, num_kv_heads, head_size, block_size,
+                                                           extra_blocks=3, generator=generator)
+        stores = [c.transpose(1, 2).contiguous() for c in (key_cache, value_cache)]
+
+        def as_cache(store: torch.Tensor) -> torch.Tensor:
+            return store.transpose(1, 2)
+    else:
+        past_end = torch.arange(max_len)[None, None, :, None] >= torch.tensor(seq_lens)[:, None, None, None]
+        stores = [torch.randn(num_seqs, num_kv_heads, max_len, head_size, generator=generator)
+                  .masked_fill(past_end, float("nan")) for _ in range(2)]
+        num_blocks = (num_seqs - 1) * num_kv_heads * pages + pages  # the last block ends with the storage
+        block_tables = (torch.arange(num_seqs)[:, None] * num_kv_heads * pages + torch.arange(pages)).int()
+
+        def as_cache(store: torch.Tensor) -> torch.Tensor:
+            return store.as_strided((num_blocks, block_size, num_kv_heads, head_size),
+                                    (block_size * head_size, head_size, max_len * head_size, 1))
+    # Rounded to the dtype first, so the CPU float32 reference sees exactly the kernel's inputs.
+    stores = [store.to(dtype).float() for store in stores]
+    query = torch.randn(num_seqs, num_heads, head_size, generator=generator).to(dtype).float()
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    expected = paged_attention(query, as_cache(stores[0]), as_cache(stores[1]), block_tables, lens)
+
+    dev = torch.device("cuda")
+    key_cache, value_cache = (as_cache(store.to(dev, dtype)) for store in stores)
+    assert not key_cache.is_contiguous()
+    query_d, block_tables_d = query.to(dev, dtype), block_tables.to(dev)
+    warpgroup_kernel = num_heads // num_kv_heads > 32 and torch.cuda.get_device_capability() == (9, 0)
+    assert _cuda.launch_plan(query_d, key_cache, block_tables_d)["wgmma"] == warpgroup_kernel
+    out = torch.full((num_seqs, num_heads, head_size), float("nan"), dtype=dtype, device=dev)
+    assert _cuda.paged_attention(out, query_d, key_cache, value_cache, block_tables_d, lens.to(dev),
+                                 head_size ** -0.5, None)
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.float().cpu(), expected, atol=atol, rtol=rtol)
+
+
 def test_paged_attention_strided_query() -> None:
     """A query that is a view into a wider tensor (the output of a fused QKV projection)."""
     generator = torch.Generator().manual_seed(3)
