@@ -136,6 +136,9 @@ __device__ __forceinline__ float2 online_softmax_step(float (&s)[NJ][4], int pos
 // block `rank` finishes every num_partitions-th (row, 4 columns) item of the first rows_valid rows, reading
 // every partition's values from that partition's shared memory, and stores it to out_row(r). No float32
 // partials in global memory, no second kernel. Every thread of every block of the cluster must call it.
+// An item's loads (every partition's log-sum-exp and 4 values) are all issued before any is used: one
+// round trip to the other blocks' shared memory an item, not one for the maximum and another for the sum
+// (measured on the H200 with per-block timers: the two took 1.6-2.0 us of C6's epilogue, 3 items a thread).
 template <int HEAD, typename RowOut, typename OutRow>
 __device__ __forceinline__ void merge_in_cluster(int num_parts, int rows_valid, const float* row_lse,
                                                  RowOut row_out, OutRow out_row) {
@@ -148,10 +151,19 @@ __device__ __forceinline__ void merge_in_cluster(int num_parts, int rows_valid, 
     const int d = (i - r * kVecs) * 4;
     const uint32_t lse_addr = smem_addr(row_lse + r);
     const uint32_t o_addr = smem_addr(row_out(r) + d);
+    float lse[kMaxClusterSize];
+    float4 x[kMaxClusterSize];
+#pragma unroll
+    for (int c = 0; c < kMaxClusterSize; ++c) {
+      if (c < num_parts) {
+        lse[c] = cluster_load(cluster_map(lse_addr, c));
+        x[c] = cluster_load4(cluster_map(o_addr, c));
+      }
+    }
     float mx = -INFINITY;
 #pragma unroll
     for (int c = 0; c < kMaxClusterSize; ++c) {
-      if (c < num_parts) mx = fmaxf(mx, cluster_load(cluster_map(lse_addr, c)));
+      if (c < num_parts) mx = fmaxf(mx, lse[c]);
     }
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     float sum = 0.f;
@@ -159,10 +171,8 @@ __device__ __forceinline__ void merge_in_cluster(int num_parts, int rows_valid, 
     for (int c = 0; c < kMaxClusterSize; ++c) {
       if (c < num_parts) {
         // Partitions past the end, and rows with nothing attended, weigh 0 (their results are zeros).
-        const float lse = cluster_load(cluster_map(lse_addr, c));
-        const float4 x = cluster_load4(cluster_map(o_addr, c));
-        const float w = lse == -INFINITY ? 0.f : fast_exp2(lse - mx);
-        fma4(w, x, acc);
+        const float w = lse[c] == -INFINITY ? 0.f : fast_exp2(lse[c] - mx);
+        fma4(w, x[c], acc);
         sum += w;
       }
     }
