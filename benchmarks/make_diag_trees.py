@@ -20,6 +20,8 @@ design, only their times mean something:
   its (meaningless) result, and the merge runs: a wave's fixed cost with no bytes streamed.
 - ``nomerge``: the merge kernel is not launched (a cluster merge still runs inside the attention kernel):
   with ``main``, what the merge kernel costs.
+- ``timers``: main, plus per-block ``%globaltimer`` stamps written where ``TPKIT_DIAG_TIMERS`` (a device
+  address, in the environment at launch or capture) points; ``diag_timers.py`` sets it and reads them.
 
 Edits combine with ``+``: ``noc+stages`` is the copies alone with the stage count forced.
 """
@@ -99,8 +101,110 @@ def _no_merge_kernel(tree: Path) -> None:
           "  if (a->num_partitions > 0) return cudaSuccess;\n")
 
 
+# The stamps of the "timers" tree: a block's (warpgroup's) slot of kTimerWords words at
+# ((z * gridDim.y + y) * gridDim.x + x) * warpgroups + warpgroup, a merge block's 4 at kTimerMergeOffset + its
+# index. Slot words: entry, released (after griddepcontrol.wait), first tile landed, loop end, warpgroups
+# met, epilogue written, cluster barrier passed, peers' values read, second cluster barrier passed, exit,
+# %smid, tiles. diag_timers.py reads the same layout.
+_TIMER_HELPERS = """#include "paged_attention.h"
+
+namespace tpkit {
+constexpr int kTimerWords = 12;
+constexpr long long kTimerMergeOffset = 1 << 20;
+__device__ __forceinline__ unsigned long long diag_now() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ unsigned diag_smid() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void diag_write(const tpkit_paged_attention_args& p, int sub, int subs,
+                                           const unsigned long long* stamps, int tiles) {
+  if (p.diag_timers == nullptr) return;
+  const long long block = (static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x +
+                          blockIdx.x;
+  unsigned long long* w = p.diag_timers + (block * subs + sub) * kTimerWords;
+  for (int i = 0; i < 9; ++i) w[i] = stamps[i];
+  w[9] = diag_now();
+  w[10] = diag_smid();
+  w[11] = tiles;
+}
+__device__ __forceinline__ void diag_write_merge(const tpkit_paged_attention_args& p,
+                                                 unsigned long long entry, unsigned long long released) {
+  if (threadIdx.x != 0 || p.diag_timers == nullptr) return;
+  unsigned long long* w = p.diag_timers + kTimerMergeOffset + (blockIdx.y * gridDim.x + blockIdx.x) * 4;
+  w[0] = entry;
+  w[1] = released;
+  w[2] = diag_now();
+  w[3] = diag_smid();
+}
+}  // namespace tpkit
+"""
+_TIMERS_FROM_ENV = """  tpkit_paged_attention_args timed = *args;
+  const char* timers = getenv("TPKIT_DIAG_TIMERS");
+  timed.diag_timers = timers ? reinterpret_cast<unsigned long long*>(strtoull(timers, nullptr, 10)) : nullptr;
+  const tpkit_paged_attention_args* a = &timed;
+"""
+
+
+def _after(path: Path, anchor: str, text: str) -> None:
+    _edit(path, anchor, anchor + text)
+
+
+def _timers(tree: Path) -> None:
+    _edit(tree / CSRC / "paged_attention.h", "} tpkit_paged_attention_args;",
+          "  unsigned long long* diag_timers;\n} tpkit_paged_attention_args;")
+    ptx = tree / CSRC / "ptx.cuh"
+    ptx.write_text(ptx.read_text() + _TIMER_HELPERS)
+    api = tree / CSRC / "paged_attention_api.cu"
+    _after(api, "#include <algorithm>\n", "#include <cstdlib>\n")
+    _edit(api, "tpkit_paged_attention_launch(const tpkit_paged_attention_args* a, cudaStream_t stream) {\n",
+          "tpkit_paged_attention_launch(const tpkit_paged_attention_args* args, cudaStream_t stream) {\n"
+          + _TIMERS_FROM_ENV)
+    start = ("  unsigned long long stamps[9] = {diag_now()};\n"
+             "  grid_wait_primary();\n  stamps[1] = diag_now();\n")
+    mma = tree / CSRC / "paged_attention_mma.cuh"
+    _edit(mma, "RowOut row_out, OutRow out_row) {",
+          "RowOut row_out, OutRow out_row, unsigned long long* stamps = nullptr) {")
+    _after(mma, "  cluster_sync();  // every partition's row_out and row_lse are written\n",
+           "  if (stamps) stamps[0] = diag_now();\n")
+    _edit(mma, "  cluster_sync();  // no block exits while another still reads its shared memory\n",
+          "  if (stamps) stamps[1] = diag_now();\n"
+          "  cluster_sync();  // no block exits while another still reads its shared memory\n"
+          "  if (stamps) stamps[2] = diag_now();\n")
+    _edit(mma, "  grid_wait_primary();\n  // Issued first;", start + "  // Issued first;")
+    _after(mma, "    __syncthreads();\n\n    const int tile_start = start + tile * kTileTokens;",
+           "\n    if (tile == 0) stamps[2] = diag_now();")
+    _after(mma, "// trailing (empty) groups; the stage buffers become the epilogue's\n",
+           "  stamps[3] = stamps[4] = diag_now();\n")
+    _edit(mma, "row_lse, row_out, out_row);\n}",
+          "row_lse, row_out, out_row, stamps + 6);\n"
+          "  if (tid == 0) diag_write(p, 0, 1, stamps, num_tiles);\n}")
+    _edit(mma, "  if (cluster) merge_in_cluster<HEAD>(",
+          "  stamps[5] = diag_now();\n  if (cluster) merge_in_cluster<HEAD>(")
+    wgmma = tree / CSRC / "paged_attention_wgmma.cuh"
+    _edit(wgmma, "  grid_wait_primary();\n  const int seq_len_read", start + "  const int seq_len_read")
+    _after(wgmma, "// ... and is visible to wgmma\n    warpgroup_sync();\n",
+           "    if (tile == 0) stamps[2] = diag_now();\n")
+    _after(wgmma, "the stage buffers become the cluster merge's\n", "  stamps[3] = diag_now();\n")
+    _edit(wgmma, "  // Epilogue, from registers:",
+          "  stamps[4] = diag_now();\n  // Epilogue, from registers:")
+    _edit(wgmma, "  if (cluster) {\n    merge_in_cluster<kWgmmaHead>",
+          "  stamps[5] = diag_now();\n  if (cluster) {\n    merge_in_cluster<kWgmmaHead>")
+    _edit(wgmma, "[&](int r) { return partial + r * kPartialStride; }, out_row);\n  }\n",
+          "[&](int r) { return partial + r * kPartialStride; }, out_row, stamps + 6);\n  }\n"
+          "  if (tid == 0) diag_write(p, wg, WARPGROUPS, stamps, num_tiles);\n")
+    merge = tree / CSRC / "paged_attention_merge.cuh"
+    _edit(merge, "  grid_wait_primary();\n  if (head >= p.num_heads) return;",
+          "  const unsigned long long entry = diag_now();\n  grid_wait_primary();\n"
+          "  const unsigned long long released = diag_now();\n  if (head >= p.num_heads) return;")
+    _edit(merge, "acc.w * inv));\n  }\n}", "acc.w * inv));\n  }\n  diag_write_merge(p, entry, released);\n}")
+
 EDITS = {"noc": _no_compute, "nold": _no_loads, "stages": _forced_stages, "partitions": _forced_partitions,
-         "notiles": _no_tiles, "nomerge": _no_merge_kernel}
+         "notiles": _no_tiles, "nomerge": _no_merge_kernel, "timers": _timers}
 
 
 def main() -> None:
