@@ -47,16 +47,14 @@ def _no_compute(tree: Path) -> None:
     _edit(tree / CSRC / "paged_attention_mma.cuh", "    if (warp_active) {\n      for (int tok0",
           "    if (warp_active && num_tiles < 0) {\n      for (int tok0")
     wgmma = tree / CSRC / "paged_attention_wgmma.cuh"
-    tile_start = "    const int tile_start = start + (tile * WARPGROUPS + wg) * kTileTokens;\n"
-    _edit(wgmma, tile_start, "    if (num_tiles < 0) {\n" + tile_start)
+    _edit(wgmma, "    const int tile_start = ", "    if (num_tiles < 0) {\n    const int tile_start = ")
     _edit(wgmma, "    wgmma_wait<0>();  // the stage is refilled after the barrier below\n",
           "    wgmma_wait<0>();  // the stage is refilled after the barrier below\n    }\n")
 
 
 def _no_loads(tree: Path) -> None:
     for name in ("paged_attention_mma.cuh", "paged_attention_wgmma.cuh"):
-        _edit(tree / CSRC / name, "if (next < num_tiles) issue_tile(",
-              "if (next < num_tiles && next < num_stages - 1) issue_tile(")
+        _edit(tree / CSRC / name, "issue_tile(next, ", "if (next < num_stages - 1) issue_tile(next, ")
 
 
 def _forced_stages(tree: Path) -> None:
@@ -154,6 +152,15 @@ def _after(path: Path, anchor: str, text: str) -> None:
     _edit(path, anchor, anchor + text)
 
 
+def _before_next(path: Path, start: str, token: str, text: str) -> None:
+    """Inserts `text` before the first `token` after `start` (one of each): an argument list's end."""
+    source = path.read_text()
+    if source.count(start) != 1:
+        raise SystemExit(f"{path}: expected one {start!r}, found {source.count(start)}; the kernel changed")
+    at = source.index(token, source.index(start))
+    path.write_text(source[:at] + text + source[at:])
+
+
 def _timers(tree: Path) -> None:
     _edit(tree / CSRC / "paged_attention.h", "} tpkit_paged_attention_args;",
           "  unsigned long long* diag_timers;\n} tpkit_paged_attention_args;")
@@ -164,11 +171,11 @@ def _timers(tree: Path) -> None:
     _edit(api, "tpkit_paged_attention_launch(const tpkit_paged_attention_args* a, cudaStream_t stream) {\n",
           "tpkit_paged_attention_launch(const tpkit_paged_attention_args* args, cudaStream_t stream) {\n"
           + _TIMERS_FROM_ENV)
-    start = ("  unsigned long long stamps[9] = {diag_now()};\n"
+    start = ("  unsigned long long stamps[9] = {diag_now()};\n  int diag_tiles = 0;\n"
              "  grid_wait_primary();\n  stamps[1] = diag_now();\n")
+    first_tile = "    if (tile == 0) stamps[2] = diag_now();\n    diag_tiles = tile + 1;\n"
     mma = tree / CSRC / "paged_attention_mma.cuh"
-    _edit(mma, "RowOut row_out, OutRow out_row) {",
-          "RowOut row_out, OutRow out_row, unsigned long long* stamps = nullptr) {")
+    _before_next(mma, "RowOut row_out, OutRow out_row", ") {", ", unsigned long long* stamps = nullptr")
     _after(mma, "  cluster_sync();  // every partition's row_out and row_lse are written\n",
            "  if (stamps) stamps[0] = diag_now();\n")
     _edit(mma, "  cluster_sync();  // no block exits while another still reads its shared memory\n",
@@ -176,27 +183,24 @@ def _timers(tree: Path) -> None:
           "  cluster_sync();  // no block exits while another still reads its shared memory\n"
           "  if (stamps) stamps[2] = diag_now();\n")
     _edit(mma, "  grid_wait_primary();\n  // Issued first;", start + "  // Issued first;")
-    _after(mma, "    __syncthreads();\n\n    const int tile_start = start + tile * kTileTokens;",
-           "\n    if (tile == 0) stamps[2] = diag_now();")
+    _after(mma, "    cp_async_wait_dynamic(num_stages - 1);\n    __syncthreads();\n", first_tile)
     _after(mma, "// trailing (empty) groups; the stage buffers become the epilogue's\n",
            "  stamps[3] = stamps[4] = diag_now();\n")
-    _edit(mma, "row_lse, row_out, out_row);\n}",
-          "row_lse, row_out, out_row, stamps + 6);\n"
-          "  if (tid == 0) diag_write(p, 0, 1, stamps, num_tiles);\n}")
+    _before_next(mma, "  if (cluster) merge_in_cluster<HEAD>(", ");", ", stamps + 6")
+    _after(mma, ", stamps + 6);\n", "  if (tid == 0) diag_write(p, 0, 1, stamps, diag_tiles);\n")
     _edit(mma, "  if (cluster) merge_in_cluster<HEAD>(",
           "  stamps[5] = diag_now();\n  if (cluster) merge_in_cluster<HEAD>(")
     wgmma = tree / CSRC / "paged_attention_wgmma.cuh"
     _edit(wgmma, "  grid_wait_primary();\n  const int seq_len_read", start + "  const int seq_len_read")
-    _after(wgmma, "// ... and is visible to wgmma\n    warpgroup_sync();\n",
-           "    if (tile == 0) stamps[2] = diag_now();\n")
+    _after(wgmma, "// ... and is visible to wgmma\n    warpgroup_sync();\n", first_tile)
     _after(wgmma, "the stage buffers become the cluster merge's\n", "  stamps[3] = diag_now();\n")
     _edit(wgmma, "  // Epilogue, from registers:",
           "  stamps[4] = diag_now();\n  // Epilogue, from registers:")
     _edit(wgmma, "  if (cluster) {\n    merge_in_cluster<kWgmmaHead>",
           "  stamps[5] = diag_now();\n  if (cluster) {\n    merge_in_cluster<kWgmmaHead>")
-    _edit(wgmma, "[&](int r) { return partial + r * kPartialStride; }, out_row);\n  }\n",
-          "[&](int r) { return partial + r * kPartialStride; }, out_row, stamps + 6);\n  }\n"
-          "  if (tid == 0) diag_write(p, wg, WARPGROUPS, stamps, num_tiles);\n")
+    _before_next(wgmma, "    merge_in_cluster<kWgmmaHead>(", ");", ", stamps + 6")
+    _after(wgmma, ", stamps + 6);\n  }\n",
+           "  if (tid == 0) diag_write(p, wg, WARPGROUPS, stamps, diag_tiles);\n")
     merge = tree / CSRC / "paged_attention_merge.cuh"
     _edit(merge, "  grid_wait_primary();\n  if (head >= p.num_heads) return;",
           "  const unsigned long long entry = diag_now();\n  grid_wait_primary();\n"
