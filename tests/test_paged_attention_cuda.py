@@ -297,21 +297,31 @@ def test_paged_attention_cache_views(layout: str, dtype: torch.dtype, num_heads:
     torch.testing.assert_close(out.float().cpu(), expected, atol=atol, rtol=rtol)
 
 
-def test_paged_attention_strided_query() -> None:
-    """A query that is a view into a wider tensor (the output of a fused QKV projection)."""
+@pytest.mark.parametrize(("dtype", "num_heads", "num_kv_heads", "head_size"),
+                         [(torch.float32, 8, 2, 64), (torch.bfloat16, 32, 8, 128),
+                          (torch.bfloat16, 48, 1, 128)])
+def test_paged_attention_strided_query(dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                                       head_size: int) -> None:
+    """A query that is a view into a wider tensor, as the attention layer passes it: the q slice of a
+    fused q, k projection (the fp32 kernel; bf16 GQA 4:1 through the mma kernel; MQA 48:1, on compute 9.0,
+    through the warpgroup kernel)."""
     generator = torch.Generator().manual_seed(3)
-    seq_lens = [5, 200, 64]
-    key_cache, value_cache, block_tables = _make_paged(seq_lens, 2, 64, 16, extra_blocks=2,
+    seq_lens = [5, 200, 64, 3000]
+    key_cache, value_cache, block_tables = _make_paged(seq_lens, num_kv_heads, head_size, 16, extra_blocks=2,
                                                        generator=generator)
-    qkv = torch.randn(3, 12, 64, generator=generator)
-    query = qkv[:, :8]  # [3, 8, 64], stride(0) = 12 * 64
+    key_cache, value_cache = key_cache.to(dtype).float(), value_cache.to(dtype).float()
+    qk = torch.randn(len(seq_lens), num_heads + num_kv_heads, head_size, generator=generator)
+    qk = qk.to(dtype).float()
+    query = qk[:, :num_heads]  # stride(0) = (num_heads + num_kv_heads) * head_size
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     expected = paged_attention(query.contiguous(), key_cache, value_cache, block_tables, lens)
     dev = torch.device("cuda")
-    out = torch.empty(3, 8, 64, device=dev)
-    assert _cuda.paged_attention(out, qkv.to(dev)[:, :8], key_cache.to(dev), value_cache.to(dev),
-                                 block_tables.to(dev), lens.to(dev), 64 ** -0.5, None)
-    torch.testing.assert_close(out.cpu(), expected, atol=1e-4, rtol=1e-4)
+    out = torch.empty(len(seq_lens), num_heads, head_size, device=dev, dtype=dtype)
+    assert _cuda.paged_attention(out, qk.to(dev, dtype)[:, :num_heads], key_cache.to(dev, dtype),
+                                 value_cache.to(dev, dtype), block_tables.to(dev), lens.to(dev),
+                                 head_size ** -0.5, None)
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.float().cpu(), expected, atol=atol, rtol=rtol)
 
 
 def test_paged_attention_rejects_wide_strides() -> None:

@@ -124,8 +124,10 @@ class Attention(nn.Module):
             reshape_and_cache(key.reshape(batch, self.num_kv_heads, self.head_size),
                               value.reshape(batch, self.num_kv_heads, self.head_size),
                               key_cache, value_cache, metadata.slot_mapping)
-        # [batch, num_heads, head_size]; contiguous (it is small) so kernels see a dense query.
-        decode_query = query.reshape(batch, self.num_heads, self.head_size).contiguous()
+        # [batch, num_heads, head_size]: a view where the model's query is one (a slice of its fused q, k
+        # projection): the op takes any sequence and head strides, and a copy would be one more kernel a
+        # layer in a compiled decode step (1.1 us on the H200).
+        decode_query = query.reshape(batch, self.num_heads, self.head_size)
         out = paged_attention(decode_query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
                               scale=self.scale)
         return out.view(batch, 1, self.num_heads * self.head_size)
