@@ -1,0 +1,117 @@
+"""A decode step's matrix products, Llama-3-8B shapes, bf16, on the GPU: what streaming each weight costs.
+
+    PYTHONPATH=. python3 benchmarks/bench_decode_gemm.py [--batch 8] [--json PATH]
+
+At batch 8 a decode step's projections are matrix-vector products in all but name: each must read its
+whole weight once, so its floor is weight bytes / memory bandwidth, as for the step as a whole
+(``bench_latency.py``'s floor). Each projection runs as tpkit's layers run it at tp_size 1
+(``F.linear``, bench_linear.py checks that the layers add nothing), timed as the median per call of
+CUDA-graph replays of one graph that calls it on independent copies of its weight, as many as touch
+700 MB, so that no copy is still in L2 when its turn comes ("DRAM"); again with torch's other BLAS backend
+(``torch.backends.cuda.preferred_blas_library("cublas")``, cuBLASLt being the default); and, where the
+weight fits in the L2, on one copy again and again ("L2"): what a product costs once its weight has been
+brought into L2 ahead of it. The table gives per projection the weight's MB, the floor at the copy
+bandwidth measured in the same run, each time in us, and the DRAM time's rate in GB/s and as % of the
+copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from bench_latency import LLAMA3_8B
+from bench_paged_attention import _copy_bandwidth_gbps, _graph_time_us
+
+TOUCHED_BYTES = 700_000_000  # weight bytes each graph streams: over 10x the L2
+REPLAYS = 20
+
+
+def projections(config: dict) -> dict[str, tuple[int, int]]:
+    """(out_features, in_features) of each of a decoder layer's projections and of the LM head."""
+    head_size = config["hidden_size"] // config["num_attention_heads"]
+    hidden, intermediate = config["hidden_size"], config["intermediate_size"]
+    return {
+        "qkv_proj": ((config["num_attention_heads"] + 2 * config["num_key_value_heads"]) * head_size, hidden),
+        "o_proj": (hidden, config["num_attention_heads"] * head_size),
+        "gate_up_proj": (2 * intermediate, hidden),
+        "down_proj": (hidden, intermediate),
+        "lm_head": (config["vocab_size"], hidden),
+    }
+
+
+def _time_us(x: torch.Tensor, weights: list[torch.Tensor], blas: str) -> float:
+    previous = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(blas)
+    try:
+        return _graph_time_us([lambda w=w: F.linear(x, w) for w in weights], REPLAYS)
+    finally:
+        torch.backends.cuda.preferred_blas_library(previous)
+
+
+def bench(batch: int, copy_bw_gbps: float) -> list[dict]:
+    l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for name, (out_features, in_features) in projections(LLAMA3_8B).items():
+        weight_bytes = out_features * in_features * 2
+        copies = max(2, math.ceil(TOUCHED_BYTES / weight_bytes))
+        weights = [torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16,
+                               generator=generator) for _ in range(copies)]
+        x = torch.randn(batch, in_features, device="cuda", dtype=torch.bfloat16, generator=generator)
+        expected = x.float() @ weights[0].float().t()
+        torch.testing.assert_close(F.linear(x, weights[0]).float(), expected, atol=0.5, rtol=2e-2)
+        row = {"projection": name, "batch": batch, "weight_MB": weight_bytes / 1e6,
+               "floor_us": weight_bytes / copy_bw_gbps / 1e3,
+               "dram_us": _time_us(x, weights, "cublaslt"), "dram_cublas_us": _time_us(x, weights, "cublas"),
+               "l2_us": None}
+        if weight_bytes <= l2_bytes:
+            row["l2_us"] = _time_us(x, weights[:1] * copies, "cublaslt")
+        row["GBps"] = weight_bytes / row["dram_us"] / 1e3
+        row["pct_copy_bw"] = 100 * row["GBps"] / copy_bw_gbps
+        rows.append(row)
+        del weights
+        torch.cuda.empty_cache()
+    return rows
+
+
+def print_table(rows: list[dict], copy_bw_gbps: float) -> None:
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; copy bandwidth "
+          f"{copy_bw_gbps:.0f} GB/s; batch {rows[0]['batch']}, bf16; us per call")
+    print("| projection | weight MB | floor us | DRAM us (cuBLASLt) | GB/s | % copy bw | DRAM us (cuBLAS) "
+          "| L2 us |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        l2 = "-" if r["l2_us"] is None else f"{r['l2_us']:.1f}"
+        print(f"| {r['projection']} | {r['weight_MB']:.1f} | {r['floor_us']:.1f} | {r['dram_us']:.1f} | "
+              f"{r['GBps']:.0f} | {r['pct_copy_bw']:.1f} | {r['dram_cublas_us']:.1f} | {l2} |")
+    layer = [r for r in rows if r["projection"] != "lm_head"]
+    print(f"a decoder layer's four: {sum(r['dram_us'] for r in layer):.1f} us against a floor of "
+          f"{sum(r['floor_us'] for r in layer):.1f} us")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=8, help="tokens a step (sequences decoded at once)")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_decode_gemm.py: needs a CUDA GPU")
+    if args.batch < 1:
+        parser.error(f"--batch: expected a positive number of tokens, got {args.batch}")
+    copy_bw_gbps = _copy_bandwidth_gbps()
+    rows = bench(args.batch, copy_bw_gbps)
+    print_table(rows, copy_bw_gbps)
+    if args.json:
+        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_GBps": copy_bw_gbps}
+        args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
