@@ -113,6 +113,31 @@ def test_cross_attention_prefill_and_decode():
     assert cross_cache.num_free_blocks == free and cross_cache.seq_len(1) == 9
 
 
+def test_decode_query_views():
+    """A decode step's query as the models pass it, a slice of a wider fused projection, and with a strided
+    last dimension: the same output as the contiguous query."""
+    gen = torch.Generator().manual_seed(5)
+    num_heads, num_kv_heads = 4, 2
+    cache = PagedKVCache(1, 16, 4, num_kv_heads, HEAD_SIZE, dtype=torch.float32, device="cpu")
+    attention = Attention(num_heads, HEAD_SIZE, num_kv_heads)
+    k = torch.randn(2, 7, num_kv_heads * HEAD_SIZE, generator=gen)
+    v = torch.randn(2, 7, num_kv_heads * HEAD_SIZE, generator=gen)
+    attention(torch.randn(2, 6, num_heads * HEAD_SIZE, generator=gen), k[:, :6], v[:, :6], kv_cache=cache,
+              metadata=cache.prefill_metadata([0, 1], [6, 3]))
+    width = num_heads * HEAD_SIZE
+    fused = torch.randn(2, 1, width + num_kv_heads * HEAD_SIZE, generator=gen)  # [q | k] of one step
+    wide = torch.randn(2, 1, 2 * width, generator=gen)
+    queries = {"slice": fused[..., :width], "strided": wide[..., ::2]}
+    assert queries["slice"].stride(0) != width and queries["strided"].stride(-1) == 2
+    metadata = cache.decode_metadata([0, 1])
+    k_new, v_new = k[:, 6:7], v[:, 6:7]  # this step's K/V, written by the first call only
+    for name, query in queries.items():
+        out = attention(query, k_new, v_new, kv_cache=cache, metadata=metadata)
+        expected = attention(query.contiguous(), None, None, kv_cache=cache, metadata=metadata)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0, msg=name)
+        k_new = v_new = None
+
+
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 def test_without_cache(causal):
     gen = torch.Generator().manual_seed(2)

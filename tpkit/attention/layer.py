@@ -126,8 +126,10 @@ class Attention(nn.Module):
                               key_cache, value_cache, metadata.slot_mapping)
         # [batch, num_heads, head_size]: a view where the model's query is one (a slice of its fused q, k
         # projection): the op takes any sequence and head strides, and a copy would be one more kernel a
-        # layer in a compiled decode step (1.1 us on the H200).
+        # layer in a compiled decode step (1.1 us on the H200). Only a strided last dimension is copied.
         decode_query = query.reshape(batch, self.num_heads, self.head_size)
+        if decode_query.stride(-1) != 1:
+            decode_query = decode_query.contiguous()
         out = paged_attention(decode_query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
                               scale=self.scale)
         return out.view(batch, 1, self.num_heads * self.head_size)
