@@ -1,4 +1,5 @@
-"""tpkit.attention: paged KV cache, the paged attention ops and the Attention module.
+"""tpkit.attention: paged KV cache, the paged attention ops, the Attention module, and ``decode_linear``
+(the decode step's small-batch ``F.linear``, whose CUDA kernel shares the attention kernels' build).
 
 ``paged_attention`` and ``reshape_and_cache`` are ``torch.library`` custom ops
 (``torch.ops.tpkit.paged_attention``, ``torch.ops.tpkit.reshape_and_cache``) with a PyTorch implementation
@@ -8,6 +9,14 @@ for the CPU and a CUDA kernel for NVIDIA GPUs. Caches are
 
 from tpkit.attention.kv_cache import AttentionMetadata, PagedKVCache
 from tpkit.attention.layer import Attention
+from tpkit.attention.linear import decode_linear
 from tpkit.attention.ops import paged_attention, reshape_and_cache
 
-__all__ = ["Attention", "AttentionMetadata", "PagedKVCache", "paged_attention", "reshape_and_cache"]
+__all__ = [
+    "Attention",
+    "AttentionMetadata",
+    "PagedKVCache",
+    "decode_linear",
+    "paged_attention",
+    "reshape_and_cache",
+]

@@ -1,4 +1,4 @@
-"""The CUDA paged-attention kernels (``csrc/``), compiled on first use.
+"""The CUDA kernels of ``csrc/`` (paged attention, the cache write, the decode linear), compiled on first use.
 
 The extension is built with ``torch.utils.cpp_extension.load`` (ninja) for the compute capability of the
 GPU it runs on, and cached per (GPU architecture, torch version, CUDA version) in
@@ -13,11 +13,12 @@ Ahead-of-time build, for machines whose users have torch but no CUDA toolkit: on
     python -m tpkit.attention.build --arch 8.0 9.0  # for named architectures, no GPU needed
 
 then ship the printed directories and point ``TORCH_EXTENSIONS_DIR`` at their parent. Where ``nvcc`` is
-missing, :func:`paged_attention` and :func:`reshape_and_cache` load such a prebuilt module directly.
+missing, :func:`paged_attention`, :func:`reshape_and_cache` and :func:`decode_linear` load such a prebuilt
+module directly.
 
-Both entry points return False when no kernel can be had on this machine (no toolkit and no prebuilt
+The entry points return False when no kernel can be had on this machine (no toolkit and no prebuilt
 module, a failed compile, a GPU older than sm_80); they then warn once saying how to get the kernel, and
-the caller (``tpkit.attention.ops``) runs the PyTorch implementation instead.
+the caller (``tpkit.attention.ops``, ``tpkit.attention.linear``) runs the PyTorch implementation instead.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ _SOURCES = (
     "paged_attention_float16.cu",
     "paged_attention_bfloat16.cu",
     "paged_attention_float32.cu",
+    "decode_linear.cu",
 )
 _MIN_CAPABILITY = (8, 0)
 
@@ -117,8 +119,8 @@ def _warn_once(reason: str) -> None:
         return
     _warned = True
     warnings.warn(
-        f"tpkit: the CUDA paged-attention kernel is not available ({reason}); using the slower PyTorch "
-        f"implementation. For the fast kernel, install the CUDA toolkit matching torch "
+        f"tpkit: the CUDA kernels (paged attention, decode linear) are not available ({reason}); using the "
+        f"slower PyTorch implementations. For the fast kernels, install the CUDA toolkit matching torch "
         f"(CUDA {torch.version.cuda}: nvcc on PATH or CUDA_HOME set; it compiles on first use), or build it "
         f"ahead of time with `python -m tpkit.attention.build` on a machine that has the toolkit and set "
         f"TORCH_EXTENSIONS_DIR to the directory holding the result.",
@@ -208,3 +210,22 @@ def launch_plan(query: torch.Tensor, key_cache: torch.Tensor,
     shared memory), as benchmarks report it; None when no kernel is available here."""
     module = _module_for(query.device)
     return None if module is None else dict(module.plan(query, key_cache, block_tables))
+
+
+def decode_linear(
+    out: torch.Tensor,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    splits: int = 0,
+) -> bool:
+    """``out = input @ weight.T (+ bias)`` with the decode linear kernel; False where no kernel is available
+    here or the kernel does not take these tensors (float16 or bfloat16, at most 16 rows, ``in_features`` a
+    multiple of 32 and ``out_features`` of 8, rows 16-byte aligned), for the caller to fall back.
+
+    input ``[num_rows, in_features]``, weight ``[out_features, in_features]``, bias ``[out_features]`` or
+    None, out ``[num_rows, out_features]``. ``splits``: warps that share a weight row (1, 2, 4 or 8; 0
+    chooses from the shapes), for benchmarks. No host synchronisation: safe in CUDA graphs.
+    """
+    module = _module_for(input.device)
+    return module is not None and module.decode_linear(out, input, weight, bias, splits)

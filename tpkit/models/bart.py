@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tpkit.attention import Attention, AttentionMetadata, PagedKVCache
+from tpkit.attention import Attention, AttentionMetadata, PagedKVCache, decode_linear
 from tpkit.loaders import load_weights
 from tpkit.models.activations import get_activation
 from tpkit.models.generation import PagedLM, parse_eos_token_ids, right_pad
@@ -29,6 +29,7 @@ from tpkit.parallel_layers import (
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    set_linear_op,
 )
 
 POSITION_OFFSET = 2  # BART's learned positions start at row 2 (fairseq kept two rows for padding)
@@ -188,6 +189,8 @@ class BartForConditionalGeneration(PagedLM):
         self.tp_group = self.shared.tp_group
         self.num_heads, self.num_kv_heads = cross.num_heads, cross.num_kv_heads
         self.head_size = cross.head_size
+        # A decode step's products (a few rows each) run tpkit's decode kernel on the GPU, F.linear elsewhere.
+        set_linear_op(self, decode_linear)
 
     def _embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         embeds = self.shared(input_ids)

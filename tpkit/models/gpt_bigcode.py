@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tpkit.attention import Attention, AttentionMetadata, PagedKVCache
+from tpkit.attention import Attention, AttentionMetadata, PagedKVCache, decode_linear
 from tpkit.loaders import load_weights
 from tpkit.models.activations import get_activation
 from tpkit.models.generation import PagedDecoderOnlyLM, parse_eos_token_ids
@@ -26,6 +26,7 @@ from tpkit.parallel_layers import (
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    set_linear_op,
 )
 
 
@@ -119,6 +120,8 @@ class GPTBigCodeForCausalLM(PagedDecoderOnlyLM):
         self.num_layers = len(self.h)
         self.num_heads, self.num_kv_heads = attention.num_heads, attention.num_kv_heads
         self.head_size = attention.head_size
+        # A decode step's products (a few rows each) run tpkit's decode kernel on the GPU, F.linear elsewhere.
+        set_linear_op(self, decode_linear)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       kv_cache: PagedKVCache | None = None,

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpkit.attention import Attention, AttentionMetadata, PagedKVCache
+from tpkit.attention import Attention, AttentionMetadata, PagedKVCache, decode_linear
 from tpkit.loaders import load_weights
 from tpkit.models.activations import get_activation
 from tpkit.models.generation import PagedDecoderOnlyLM, parse_eos_token_ids
@@ -27,6 +27,7 @@ from tpkit.parallel_layers import (
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    set_linear_op,
 )
 
 
@@ -155,6 +156,8 @@ class LlamaForCausalLM(PagedDecoderOnlyLM):
         self.head_size = attention.head_size
         self.rotary_emb = RotaryEmbedding(self.head_size, self.max_positions, rope_parameters(config),
                                           device=device)
+        # A decode step's products (a few rows each) run tpkit's decode kernel on the GPU, F.linear elsewhere.
+        set_linear_op(self, decode_linear)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       kv_cache: PagedKVCache | None = None,

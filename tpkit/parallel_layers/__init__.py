@@ -15,6 +15,7 @@ from .linear import (
     ReplicatedLinear,
     RowParallelLinear,
 )
+from .linear_op import LinearOp, set_linear_op
 from .mappings import copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region, scatter_to_tp_region
 from .state import (
     TPGroup,
@@ -28,6 +29,7 @@ from .vocab_embedding import ParallelLMHead, VocabParallelEmbedding, pad_vocab_s
 
 __all__ = [
     "ColumnParallelLinear",
+    "LinearOp",
     "MergedColumnParallelLinear",
     "ParallelLMHead",
     "QKVCrossParallelLinear",
@@ -46,5 +48,6 @@ __all__ = [
     "pad_vocab_size",
     "reduce_from_tp_region",
     "scatter_to_tp_region",
+    "set_linear_op",
     "skip_init",
 ]

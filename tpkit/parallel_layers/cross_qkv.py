@@ -10,7 +10,6 @@ encoder states by the k, v rows only: row slices of the one weight, views, nothi
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .linear import QKVParallelLinear
 from .mappings import copy_to_tp_region
@@ -48,14 +47,15 @@ class QKVCrossParallelLinear(QKVParallelLinear):
         if self.tp_size > 1:
             decoder_hidden_states = copy_to_tp_region(decoder_hidden_states, self.tp_group)
         q_weight = self.weight[: self.q_size]  # [q_size, hidden_size], a view
-        q = F.linear(decoder_hidden_states, q_weight, q_bias if add_bias else None)
+        q = self.linear_op(decoder_hidden_states, q_weight, q_bias if add_bias else None)
         k = v = None
         if encoder_hidden_states is not None:
             if self.tp_size > 1:
                 encoder_hidden_states = copy_to_tp_region(encoder_hidden_states, self.tp_group)
             kv_weight = self.weight[self.q_size:]  # [2 * kv_size, hidden_size], a view
             kv_bias = None if self.bias is None or not add_bias else self.bias[self.q_size:]
-            k, v = F.linear(encoder_hidden_states, kv_weight, kv_bias).split([self.kv_size, self.kv_size], -1)
+            kv = self.linear_op(encoder_hidden_states, kv_weight, kv_bias)
+            k, v = kv.split([self.kv_size, self.kv_size], -1)
         if add_bias:
             return q, k, v
         if k is None:

@@ -8,10 +8,11 @@
   fewer of them than ranks.
 * :class:`RowParallelLinear`: input features split; partial results summed by one all-reduce.
 
-Forward is ``F.linear`` like ``nn.Linear``; with ``skip_bias_add=True`` it returns ``(output, bias)`` so the
-caller can fuse the bias into what follows. Weights are ``[output_size_per_partition,
-input_size_per_partition]``; every parameter carries ``param.weight_loader(param, loaded_weight,
-loaded_shard_id=None)`` that copies this rank's part of the full checkpoint tensor.
+Forward is ``F.linear`` like ``nn.Linear`` (or the layer's ``linear_op``, :mod:`.linear_op`); with
+``skip_bias_add=True`` it returns ``(output, bias)`` so the caller can fuse the bias into what follows.
+Weights are ``[output_size_per_partition, input_size_per_partition]``; every parameter carries
+``param.weight_loader(param, loaded_weight, loaded_shard_id=None)`` that copies this rank's part of the full
+checkpoint tensor.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import math
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from ._checks import _check_positive, _divide
@@ -35,6 +35,7 @@ from ._loading import (
     _param_name,
     _reject_shard_id,
 )
+from .linear_op import _UsesLinearOp
 from .mappings import (
     _reduce_from_tp_region_,
     copy_to_tp_region,
@@ -46,7 +47,7 @@ from .state import TPGroup, _resolve_tp_group
 _TPGroupArg = TPGroup | dist.ProcessGroup | None
 
 
-class _LinearBase(_LoadableModule):
+class _LinearBase(_UsesLinearOp, _LoadableModule):
     """Parameters, defaults and the ``skip_bias_add`` convention shared by all linear layers.
 
     Each layer defines ``reset_parameters`` (its default initialisation, run here) and ``weight_loader``
@@ -132,7 +133,7 @@ class ReplicatedLinear(_LinearBase):
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         # [..., input_size] -> [..., output_size]
-        output = F.linear(input_, self.weight, None if self.skip_bias_add else self.bias)
+        output = self.linear_op(input_, self.weight, None if self.skip_bias_add else self.bias)
         return self._with_bias(output)
 
 
@@ -177,7 +178,7 @@ class _ColumnParallelBase(_LinearBase):
         # [..., input_size] -> [..., output_size_per_partition] (or [..., output_size] with gather_output)
         if self.tp_size > 1:
             input_ = copy_to_tp_region(input_, self.tp_group)
-        output = F.linear(input_, self.weight, None if self.skip_bias_add else self.bias)
+        output = self.linear_op(input_, self.weight, None if self.skip_bias_add else self.bias)
         if not (self.gather_output and self.tp_size > 1):
             return self._with_bias(output)
         output = gather_from_tp_region(output, self.tp_group)
@@ -427,10 +428,10 @@ class RowParallelLinear(_LinearBase):
         # [..., input_size_per_partition] (or [..., input_size]) -> [..., output_size]
         add_bias = self.bias is not None and not self.skip_bias_add
         if self.tp_size == 1:
-            return self._with_bias(F.linear(input_, self.weight, self.bias if add_bias else None))
+            return self._with_bias(self.linear_op(input_, self.weight, self.bias if add_bias else None))
         if not self.input_is_parallel:
             input_ = scatter_to_tp_region(input_, self.tp_group)
-        output = F.linear(input_, self.weight)
+        output = self.linear_op(input_, self.weight, None)
         if self.reduce_results:
             output = _reduce_from_tp_region_(output, self.tp_group)
             if add_bias:

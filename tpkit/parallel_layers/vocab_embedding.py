@@ -26,6 +26,7 @@ from ._loading import (
     _param_name,
     _reject_shard_id,
 )
+from .linear_op import _UsesLinearOp
 from .mappings import _reduce_from_tp_region_, copy_to_tp_region, gather_from_tp_region
 from .state import TPGroup, _resolve_tp_group
 
@@ -128,7 +129,7 @@ class VocabParallelEmbedding(_VocabParallelBase):
         return _reduce_from_tp_region_(output, self.tp_group)
 
 
-class ParallelLMHead(_VocabParallelBase):
+class ParallelLMHead(_UsesLinearOp, _VocabParallelBase):
     """The output projection to vocabulary logits, sharded like :class:`VocabParallelEmbedding`.
 
     :meth:`compute_logits` (also ``forward``) returns ``[..., num_embeddings]`` logits on every rank.
@@ -177,7 +178,7 @@ class ParallelLMHead(_VocabParallelBase):
         # [..., embedding_dim] -> [..., num_embeddings]
         if self.tp_size > 1:
             hidden_states = copy_to_tp_region(hidden_states, self.tp_group)
-        logits = F.linear(hidden_states, self.weight, self.bias)  # [..., num_embeddings_per_partition]
+        logits = self.linear_op(hidden_states, self.weight, self.bias)  # [..., num_embeddings_per_partition]
         if self.tp_size > 1:
             logits = gather_from_tp_region(logits, self.tp_group)  # [..., num_embeddings_padded]
         if self.num_embeddings_padded != self.num_embeddings:

@@ -1,6 +1,7 @@
-// Torch binding of tpkit's paged-attention kernels: checks tensors, plans, allocates the split-K scratch
-// from the shapes (so it is CUDA-graph safe: the caching allocator serves it under capture too) and
-// launches on the current stream. The kernels themselves are torch-free (paged_attention.h).
+// Torch binding of tpkit's CUDA kernels (paged attention, the cache write, the decode linear): checks
+// tensors, plans, allocates the split-K scratch from the shapes (so it is CUDA-graph safe: the caching
+// allocator serves it under capture too) and launches on the current stream. The kernels themselves are
+// torch-free (paged_attention.h, decode_linear.h).
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
@@ -11,6 +12,7 @@
 #include <optional>
 #include <string>
 
+#include "decode_linear.h"
 #include "paged_attention.h"
 
 namespace {
@@ -53,8 +55,8 @@ tpkit_dtype to_tpkit_dtype(at::ScalarType t) {
   return t == at::kHalf ? TPKIT_FLOAT16 : (t == at::kBFloat16 ? TPKIT_BFLOAT16 : TPKIT_FLOAT32);
 }
 
-void check_cuda(const at::Tensor& t, const char* name, const at::Device& device) {
-  TPKIT_CHECK_VALUE(t.device() == device, "paged_attention (CUDA): ", name, ": expected device ", device, ", got ",
+void check_cuda(const char* op, const at::Tensor& t, const char* name, const at::Device& device) {
+  TPKIT_CHECK_VALUE(t.device() == device, op, " (CUDA): ", name, ": expected device ", device, ", got ",
                     t.device());
 }
 
@@ -99,7 +101,7 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{out, "out"}, {key_cache, "key_cache"},
                                 {value_cache, "value_cache"}, {block_tables, "block_tables"},
                                 {seq_lens, "seq_lens"}}) {
-    check_cuda(t, name, device);
+    check_cuda("paged_attention", t, name, device);
   }
   TPKIT_CHECK_VALUE(query.dim() == 3, "paged_attention (CUDA): query: expected [num_seqs, num_heads, head_size], got ",
                     query.sizes());
@@ -143,7 +145,7 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
                     key_cache.element_size(), "-byte elements");
   if (alibi_slopes.has_value()) {
     const at::Tensor& s = *alibi_slopes;
-    check_cuda(s, "alibi_slopes", device);
+    check_cuda("paged_attention", s, "alibi_slopes", device);
     TPKIT_CHECK_VALUE(s.dim() == 1 && s.size(0) == num_heads && s.scalar_type() == at::kFloat,
                       "paged_attention (CUDA): alibi_slopes: expected float32 [num_heads=", num_heads, "], got ",
                       s.scalar_type(), " ", s.sizes());
@@ -254,6 +256,52 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   check_launch(tpkit_reshape_and_cache_launch(&a, c10::cuda::getCurrentCUDAStream()), "reshape_and_cache");
 }
 
+// out = input @ weight^T (+ bias) with the decode linear kernel; false (nothing launched) where the kernel
+// does not take these tensors (dtype, row count, sizes or alignment; decode_linear.h), for the caller to
+// fall back. input [num_rows, in_features], weight [out_features, in_features], out [num_rows, out_features].
+bool decode_linear(at::Tensor out, const at::Tensor& input, const at::Tensor& weight,
+                   const std::optional<at::Tensor>& bias, int64_t splits) {
+  TPKIT_CHECK_VALUE(input.is_cuda(), "decode_linear (CUDA): input: expected a CUDA tensor, got ", input.device());
+  check_cuda("decode_linear", weight, "weight", input.device());
+  check_cuda("decode_linear", out, "out", input.device());
+  TPKIT_CHECK_VALUE(input.dim() == 2 && weight.dim() == 2 && weight.size(1) == input.size(1),
+                    "decode_linear (CUDA): expected input [num_rows, in_features] and weight [out_features, "
+                    "in_features], got ", input.sizes(), " and ", weight.sizes());
+  TPKIT_CHECK_VALUE(out.dim() == 2 && out.size(0) == input.size(0) && out.size(1) == weight.size(0),
+                    "decode_linear (CUDA): out: expected [", input.size(0), ", ", weight.size(0), "], got ", out.sizes());
+  const at::ScalarType dtype = input.scalar_type();
+  TPKIT_CHECK_VALUE(weight.scalar_type() == dtype && out.scalar_type() == dtype,
+                    "decode_linear (CUDA): expected one dtype for input, weight and out, got ", dtype, ", ",
+                    weight.scalar_type(), ", ", out.scalar_type());
+  if (bias.has_value()) {
+    check_cuda("decode_linear", *bias, "bias", input.device());
+    TPKIT_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == weight.size(0) && bias->scalar_type() == dtype,
+                      "decode_linear (CUDA): bias: expected ", dtype, " [", weight.size(0), "], got ",
+                      bias->scalar_type(), " ", bias->sizes());
+  }
+  if ((dtype != at::kHalf && dtype != at::kBFloat16) || input.size(0) > TPKIT_DECODE_LINEAR_MAX_ROWS ||
+      weight.size(0) > INT32_MAX || weight.size(1) > INT32_MAX || input.stride(1) != 1 || out.stride(1) != 1 ||
+      !weight.is_contiguous() || (bias.has_value() && !bias->is_contiguous())) {
+    return false;
+  }
+  tpkit_decode_linear_args a{};
+  a.out = out.data_ptr();
+  a.input = input.data_ptr();
+  a.weight = weight.data_ptr();
+  a.bias = bias.has_value() ? bias->data_ptr() : nullptr;
+  a.dtype = dtype == at::kHalf ? TPKIT_FLOAT16 : TPKIT_BFLOAT16;
+  a.num_rows = static_cast<int>(input.size(0));
+  a.in_features = static_cast<int>(input.size(1));
+  a.out_features = static_cast<int>(weight.size(0));
+  a.input_stride = input.stride(0);
+  a.out_stride = out.stride(0);
+  a.splits = static_cast<int>(splits);
+  if (!tpkit_decode_linear_supported(&a)) return false;
+  const c10::cuda::CUDAGuard guard(input.device());
+  check_launch(tpkit_decode_linear_launch(&a, c10::cuda::getCurrentCUDAStream()), "decode_linear");
+  return true;
+}
+
 bool tpkit_paged_attention_supported_int(int dtype_code, int64_t head_size, int64_t block_size) {
   return dtype_code >= TPKIT_FLOAT16 && dtype_code <= TPKIT_FLOAT32 && head_size <= INT32_MAX &&
          block_size <= INT32_MAX &&
@@ -264,7 +312,7 @@ bool tpkit_paged_attention_supported_int(int dtype_code, int64_t head_size, int6
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "tpkit paged-attention CUDA kernels";
+  m.doc() = "tpkit paged-attention and decode linear CUDA kernels";
   m.def("paged_attention", &paged_attention, "Paged decode attention into `out` (see tpkit.attention._cuda).",
         py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
         py::arg("seq_lens"), py::arg("scale"), py::arg("alibi_slopes"));
@@ -275,4 +323,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supported_text", &tpkit_paged_attention_supported_text, "What the kernels support, in words.");
   m.def("reshape_and_cache", &reshape_and_cache, "Writes key/value into their cache slots (in place).",
         py::arg("key"), py::arg("value"), py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"));
+  m.def("decode_linear", &decode_linear,
+        "out = input @ weight.T (+ bias) for up to 16 rows; False where the kernel does not take these tensors.",
+        py::arg("out"), py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("splits"));
 }

@@ -1,0 +1,179 @@
+"""The CUDA decode linear kernel against a float32 product of the same tensors.
+
+Skipped without a GPU. The kernel is called directly through ``tpkit.attention._cuda`` (which must build and
+take the tensors: a test fails rather than silently checking the F.linear fallback), for every split of
+``in_features`` over a block's warps, and through ``decode_linear``: under ``torch.compile``, in a CUDA
+graph, in the fallbacks, and in a model's layers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tpkit.attention import _cuda, decode_linear
+from tpkit.parallel_layers import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVCrossParallelLinear,
+    RowParallelLinear,
+    TPGroup,
+    set_linear_op,
+)
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+DTYPES = (torch.float16, torch.bfloat16)
+# Relative to the largest output: the float32 sum rounded once to the dtype.
+TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def _operands(num_rows: int, out_features: int, in_features: int, dtype: torch.dtype, *, bias: bool,
+              seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_rows, in_features, generator=g)  # [num_rows, in_features]
+    # [out_features, in_features]
+    w = torch.randn(out_features, in_features, generator=g) / in_features ** 0.5
+    b = torch.randn(out_features, generator=g) if bias else None  # [out_features]
+    return (x.to("cuda", dtype), w.to("cuda", dtype), None if b is None else b.to("cuda", dtype))
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x.float(), w.float(), None if b is None else b.float())
+
+
+def _assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    scale = ref.abs().max().item()
+    err = (out.float() - ref).abs().max().item()
+    assert err <= TOLERANCE[dtype] * scale, f"max error {err:.3g} against a largest output of {scale:.3g}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("num_rows", [1, 3, 8, 9, 16])
+@pytest.mark.parametrize("out_features,in_features", [(8, 32), (24, 96), (1040, 4096), (136, 14336)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_matches_float32(dtype: torch.dtype, num_rows: int, out_features: int, in_features: int,
+                                bias: bool) -> None:
+    x, w, b = _operands(num_rows, out_features, in_features, dtype, bias=bias)
+    out = torch.full((num_rows, out_features), float("nan"), device="cuda", dtype=dtype)
+    assert _cuda.decode_linear(out, x, w, b)
+    _assert_close(out, _reference(x, w, b), dtype)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 4, 8])
+@pytest.mark.parametrize("num_rows", [5, 12])
+def test_every_split_gives_the_product(splits: int, num_rows: int) -> None:
+    # in_features 1056 = 33 steps of 32: shares of unequal length for every split.
+    x, w, b = _operands(num_rows, 200, 1056, torch.bfloat16, bias=True, seed=splits)
+    out = torch.empty(num_rows, 200, device="cuda", dtype=torch.bfloat16)
+    assert _cuda.decode_linear(out, x, w, b, splits)
+    _assert_close(out, _reference(x, w, b), torch.bfloat16)
+
+
+def test_strided_rows_and_weight_slices() -> None:
+    # The input's rows are a column slice of a wider tensor, the weight a slice of rows of a bigger matrix
+    # (QKVCrossParallelLinear's q and kv parts), the output a column slice too.
+    x_wide, w_all, _ = _operands(8, 320, 512, torch.float16, bias=False)
+    x_wide = torch.cat([x_wide, x_wide[:, :64]], dim=1)  # [8, 576]
+    x, w = x_wide[:, :512], w_all[64:]
+    out_wide = torch.zeros(8, 384, device="cuda", dtype=torch.float16)
+    out = out_wide[:, 64:320]
+    assert _cuda.decode_linear(out, x, w, None)
+    _assert_close(out, _reference(x, w, None), torch.float16)
+    assert out_wide[:, :64].eq(0).all() and out_wide[:, 320:].eq(0).all()
+
+
+@pytest.mark.parametrize("case", [
+    "17 rows", "float32", "in_features 48", "out_features 12", "unaligned input"])
+def test_kernel_declines_what_it_does_not_take(case: str) -> None:
+    num_rows, out_features, in_features, dtype = 8, 64, 256, torch.bfloat16
+    if case == "17 rows":
+        num_rows = 17
+    elif case == "float32":
+        dtype = torch.float32
+    elif case == "in_features 48":
+        in_features = 48
+    elif case == "out_features 12":
+        out_features = 12
+    x, w, b = _operands(num_rows, out_features, in_features + 8, dtype, bias=True)
+    w = w[:, :in_features].contiguous()
+    # A column offset of 8 elements keeps 16-byte rows; of 1 element it does not.
+    x = x[:, 1:in_features + 1] if case == "unaligned input" else x[:, 8:in_features + 8]
+    out = torch.empty(num_rows, out_features, device="cuda", dtype=dtype)
+    assert not _cuda.decode_linear(out, x, w, b)
+    # decode_linear falls back to F.linear for the same tensors.
+    torch.testing.assert_close(decode_linear(x, w, b), F.linear(x, w, b))
+
+
+def test_bad_arguments_raise() -> None:
+    x, w, _ = _operands(4, 64, 256, torch.bfloat16, bias=False)
+    with pytest.raises(ValueError, match="weight"):
+        _cuda.decode_linear(torch.empty(4, 64, device="cuda", dtype=torch.bfloat16), x, w[:, :128], None)
+    with pytest.raises(ValueError, match="out: expected \\[4, 64\\]"):
+        _cuda.decode_linear(torch.empty(4, 32, device="cuda", dtype=torch.bfloat16), x, w, None)
+    with pytest.raises(ValueError, match="bias"):
+        _cuda.decode_linear(torch.empty(4, 64, device="cuda", dtype=torch.bfloat16), x, w,
+                            torch.zeros(32, device="cuda", dtype=torch.bfloat16))
+
+
+def test_decode_linear_leading_dims_and_autograd() -> None:
+    x, w, b = _operands(6, 96, 128, torch.bfloat16, bias=True)
+    x3 = x.view(2, 3, 128)
+    out = decode_linear(x3, w, b)
+    assert out.shape == (2, 3, 96)
+    _assert_close(out.view(6, 96), _reference(x, w, b), torch.bfloat16)
+    # With gradients wanted the product is F.linear's, so backward works.
+    w.requires_grad_(True)
+    decode_linear(x3, w, b).float().square().sum().backward()
+    w_ref = w.detach().clone().requires_grad_(True)
+    F.linear(x3, w_ref, b).float().square().sum().backward()
+    torch.testing.assert_close(w.grad, w_ref.grad)
+
+
+def test_compiled_and_graph_replay() -> None:
+    x, w, b = _operands(8, 512, 1024, torch.bfloat16, bias=True)
+    compiled = torch.compile(lambda t: torch.relu(decode_linear(t * 2, w, b)), fullgraph=True)
+    expected = torch.relu(_reference(x * 2, w, b))
+    _assert_close(compiled(x), expected, torch.bfloat16)
+    static_x = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        decode_linear(static_x, w, b)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = decode_linear(static_x, w, b)
+    x2, _, _ = _operands(8, 512, 1024, torch.bfloat16, bias=False, seed=7)
+    static_x.copy_(x2)
+    graph.replay()
+    _assert_close(static_out, _reference(x2, w, b), torch.bfloat16)
+
+
+@torch.no_grad()
+def test_layers_with_decode_linear() -> None:
+    # tp_size 1 layers of every kind, once with F.linear and once with decode_linear, on decode-sized input.
+    torch.manual_seed(0)
+    # One process (also under torchrun, whose world is not this test's group).
+    factory = {"params_dtype": torch.bfloat16, "device": "cuda", "tp_group": TPGroup(None, 0, 1)}
+    layers = torch.nn.ModuleDict({
+        "column": ColumnParallelLinear(256, 512, bias=True, **factory),
+        "merged": MergedColumnParallelLinear(256, [384, 384], bias=False, **factory),
+        "row": RowParallelLinear(512, 256, bias=True, **factory),
+        "cross": QKVCrossParallelLinear(256, 64, 4, 2, bias=True, **factory),
+        "lm_head": ParallelLMHead(1000, 256, **factory),
+    })
+    x = torch.randn(8, 256, device="cuda", dtype=torch.bfloat16)
+    enc = torch.randn(8, 256, device="cuda", dtype=torch.bfloat16)
+    h = torch.randn(8, 512, device="cuda", dtype=torch.bfloat16)
+
+    def run() -> list[torch.Tensor]:
+        q, k, v = layers["cross"](x, enc)
+        return [layers["column"](x), layers["merged"](x), layers["row"](h), q, k, v, layers["lm_head"](x)]
+
+    expected = run()
+    assert set_linear_op(layers, decode_linear) == 5
+    for out, ref in zip(run(), expected, strict=True):
+        _assert_close(out, ref.float(), torch.bfloat16)

@@ -1,0 +1,125 @@
+"""``set_linear_op``: every layer that multiplies by its weight calls its ``linear_op``; ``decode_linear`` on
+the CPU is ``F.linear``, and the models hand it to their layers. (The kernel itself:
+tests/test_decode_linear_cuda.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from tpkit.attention import decode_linear
+from tpkit.models import LlamaForCausalLM
+from tpkit.parallel_layers import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVCrossParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+    set_linear_op,
+)
+
+# One process (also under torchrun, whose world is not this test's group).
+SINGLE = TPGroup(None, 0, 1)
+
+
+def _layers() -> torch.nn.ModuleDict:
+    torch.manual_seed(0)
+    return torch.nn.ModuleDict({
+        "replicated": ReplicatedLinear(16, 24, tp_group=SINGLE),
+        "column": ColumnParallelLinear(16, 24, gather_output=True, tp_group=SINGLE),
+        "merged": MergedColumnParallelLinear(16, [8, 16], bias=False, tp_group=SINGLE),
+        "qkv": QKVParallelLinear(16, 4, 4, 2, tp_group=SINGLE),
+        "cross": QKVCrossParallelLinear(16, 4, 4, 2, tp_group=SINGLE),
+        "row": RowParallelLinear(24, 16, tp_group=SINGLE),
+        "lm_head": ParallelLMHead(40, 16, bias=True, tp_group=SINGLE),
+        "embedding": VocabParallelEmbedding(40, 16, tp_group=SINGLE),
+    })
+
+
+def _outputs(layers: torch.nn.ModuleDict, x: torch.Tensor, enc: torch.Tensor) -> list[torch.Tensor]:
+    q, k, v = layers["cross"](x, enc)
+    return [layers["replicated"](x), layers["column"](x), layers["merged"](x), layers["qkv"](x), q, k, v,
+            layers["row"](torch.cat([x, x[..., :8]], -1)), layers["lm_head"](x)]
+
+
+def test_every_multiplying_layer_calls_its_linear_op() -> None:
+    layers = _layers()
+    x, enc = torch.randn(2, 3, 16), torch.randn(2, 5, 16)
+    expected = _outputs(layers, x, enc)
+    calls = []
+
+    def doubled(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        calls.append(tuple(weight.shape))
+        return 2 * F.linear(input, weight, bias)
+
+    # The embedding does not multiply: seven layers.
+    assert set_linear_op(layers, doubled) == 7
+    for out, ref in zip(_outputs(layers, x, enc), expected, strict=True):
+        torch.testing.assert_close(out, 2 * ref)
+    # One call per product, in _outputs' order: the cross layer's q rows, then its k and v rows; the head's
+    # vocabulary is padded to 64.
+    assert calls == [(16, 16), (16, 16), (24, 16), (24, 16), (24, 16), (32, 16), (16, 24), (64, 16)]
+    assert set_linear_op(layers, F.linear) == 7
+    for out, ref in zip(_outputs(layers, x, enc), expected, strict=True):
+        torch.testing.assert_close(out, ref)
+
+
+def test_gradients_flow_through_the_linear_op() -> None:
+    layers = _layers()
+    set_linear_op(layers, decode_linear)
+    x = torch.randn(4, 16, requires_grad=True)
+    layers["column"](x).square().sum().backward()
+    weight = layers["column"].weight
+    x_ref = x.detach().clone().requires_grad_(True)
+    w_ref = weight.detach().clone().requires_grad_(True)
+    F.linear(x_ref, w_ref, layers["column"].bias.detach()).square().sum().backward()
+    torch.testing.assert_close(weight.grad, w_ref.grad)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+
+
+def test_set_linear_op_rejects_a_non_function() -> None:
+    layers = _layers()
+    with pytest.raises(TypeError, match="linear_op: expected a function like F.linear, got int"):
+        set_linear_op(layers, 3)
+    assert all(m.linear_op is F.linear for m in layers.values() if hasattr(m, "linear_op"))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_decode_linear_on_cpu_is_f_linear(bias: bool) -> None:
+    x, w = torch.randn(3, 5, 64).to(torch.bfloat16), torch.randn(24, 64).to(torch.bfloat16)
+    b = torch.randn(24).to(torch.bfloat16) if bias else None
+    assert torch.equal(decode_linear(x, w, b), F.linear(x, w, b))
+
+
+def test_decode_linear_op_registration() -> None:
+    # The custom op's schema, fake implementation and CPU implementation agree (torch's own checks).
+    x, w, b = torch.randn(8, 64), torch.randn(32, 64), torch.randn(32)
+    torch.library.opcheck(torch.ops.tpkit.decode_linear.default, (x, w, b))
+    torch.library.opcheck(torch.ops.tpkit.decode_linear.default, (x, w, None))
+    torch.testing.assert_close(torch.ops.tpkit.decode_linear(x, w, b), F.linear(x, w, b))
+
+
+def test_decode_linear_flops_counted_as_f_linear() -> None:
+    x, w, b = torch.randn(8, 64), torch.randn(32, 64), torch.randn(32)
+    counted = []
+    for fn in (lambda: torch.ops.tpkit.decode_linear(x, w, b), lambda: F.linear(x, w, b)):
+        with FlopCounterMode(display=False) as counter:
+            fn()
+        counted.append(counter.get_total_flops())
+    assert counted == [2 * 8 * 32 * 64] * 2
+
+
+def test_models_hand_decode_linear_to_their_layers() -> None:
+    config = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 64}
+    model = LlamaForCausalLM(config, tp_group=SINGLE)
+    users = [m for m in model.modules() if hasattr(m, "linear_op")]
+    # qkv, o, gate_up and down in each layer, and the head.
+    assert len(users) == 4 * model.num_layers + 1
+    assert all(m.linear_op is decode_linear for m in users)

@@ -1,0 +1,93 @@
+// The decode linear kernel: out[m, n] = sum_k input[m, k] weight[n, k] (+ bias[n]) for up to 16 rows m.
+// Torch-free.
+//
+// A decode step's product reads a whole weight matrix for a handful of rows, so it runs at the speed the
+// weight streams in; what a general GEMM adds on top (tiles staged in shared memory, a split-K reduction
+// kernel) is fixed cost that shows at these sizes (on the H200, cuBLAS's o_proj of Llama-3-8B shapes took
+// 13.3 us for 7.9 us of bytes). Here each warp streams its slice of 8 weight rows straight from global
+// memory into tensor-core operands, 16 bytes a lane a step, and the warps that share those rows meet once,
+// in shared memory, at the end.
+#pragma once
+
+#include <stdint.h>
+
+#include "decode_linear.h"
+#include "dtype_traits.cuh"
+#include "ptx.cuh"
+
+namespace tpkit {
+
+constexpr int kLinearRowGroups = 2;  // groups of 8 weight rows (output features) a thread block computes
+constexpr int kLinearStep = 32;      // in_features one step of a warp covers: 4 lanes x 8 of each row
+// Resident threads a multiprocessor must fit: the register cap (64) that lets the compiler keep several
+// steps' loads in flight without giving up occupancy. (H200, Llama-3-8B projections at batch 8: the plain
+// loop under this bound 10.5-241 us; without the bound and restrict, 36 registers and 15.4-366 us; a ring of
+// loads refilled after each step's products, 14.5-370 us.)
+constexpr int kLinearThreadsPerSM = 1024;
+
+// One step: a lane's 16 bytes of its weight row and of its input rows r (lower) and r + 8 (upper) fill its
+// k-slots (2t, 2t+1, 2t+8, 2t+9) of two products. A sum does not care which column a slot holds, so long
+// as the input's and the weight's agree.
+template <bool kBF16, bool kUpperRows>
+__device__ __forceinline__ void multiply_step(float (&c)[4], const uint4* __restrict__ weight,
+                                              const uint4* __restrict__ lower, const uint4* __restrict__ upper) {
+  const uint4 w = *weight, x = *lower, y = kUpperRows ? *upper : make_uint4(0, 0, 0, 0);
+  const uint32_t a0[4] = {x.x, y.x, x.y, y.y};
+  const uint32_t a1[4] = {x.z, y.z, x.w, y.w};
+  mma_m16n8k16<kBF16>(c, a0, w.x, w.y);
+  mma_m16n8k16<kBF16>(c, a1, w.z, w.w);
+}
+
+// One block: kLinearRowGroups x kSplits warps; warp (group, split) multiplies 8 weight rows over the
+// split-th share of in_features with m16n8k16 products: the input as A (rows 0-7 and, with kUpperRows,
+// 8-15), the weight as B.
+template <typename T, int kSplits, bool kUpperRows>
+__global__ void __launch_bounds__(kLinearRowGroups * kSplits * 32,
+                                  kLinearThreadsPerSM / (kLinearRowGroups * kSplits * 32))
+    decode_linear_kernel(const tpkit_decode_linear_args a) {
+  using Traits = DTypeTraits<T>;
+  __shared__ float partial[kLinearRowGroups][kSplits][16][8];  // [group][split][row m][feature n]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int group = warp / kSplits, split = warp % kSplits;
+  const int r = lane / 4, t = lane % 4;  // a lane's row (of input and of weight) and its 16 bytes a step
+  const int n0 = (blockIdx.x * kLinearRowGroups + group) * 8;
+  float c[4] = {0.f, 0.f, 0.f, 0.f};
+  if (n0 < a.out_features) {
+    const int steps = a.in_features / kLinearStep;
+    const int begin = split * steps / kSplits, end = (split + 1) * steps / kSplits;
+    constexpr int kUnits = kLinearStep * sizeof(T) / 16;  // 16-byte units a step advances a row by
+    const T* input = static_cast<const T*>(a.input);
+    const uint4* __restrict__ weight = reinterpret_cast<const uint4*>(
+        static_cast<const T*>(a.weight) + static_cast<int64_t>(n0 + r) * a.in_features) + t;
+    // Rows past num_rows read the last row again: in bounds, and their sums are never stored.
+    const uint4* __restrict__ lower =
+        reinterpret_cast<const uint4*>(input + min(r, a.num_rows - 1) * a.input_stride) + t;
+    const uint4* __restrict__ upper =
+        reinterpret_cast<const uint4*>(input + min(r + 8, a.num_rows - 1) * a.input_stride) + t;
+#pragma unroll 4
+    for (int step = begin; step < end; ++step) {
+      const int u = step * kUnits;
+      multiply_step<Traits::kIsBF16, kUpperRows>(c, weight + u, lower + u, upper + u);
+    }
+  }
+  // c: rows r and r + 8, features 2t and 2t + 1 of the group's 8.
+  partial[group][split][r][2 * t] = c[0];
+  partial[group][split][r][2 * t + 1] = c[1];
+  partial[group][split][r + 8][2 * t] = c[2];
+  partial[group][split][r + 8][2 * t + 1] = c[3];
+  __syncthreads();
+  T* out = static_cast<T*>(a.out);
+  const T* bias = static_cast<const T*>(a.bias);
+  for (int i = threadIdx.x; i < kLinearRowGroups * 16 * 8; i += blockDim.x) {
+    const int g = i / 128, m = i / 8 % 16, j = i % 8;
+    const int n = (blockIdx.x * kLinearRowGroups + g) * 8 + j;
+    if (m >= a.num_rows || n >= a.out_features) continue;
+    float sum = 0.f;
+#pragma unroll
+    for (int s = 0; s < kSplits; ++s) sum += partial[g][s][m][j];
+    if (bias != nullptr) sum += Traits::to_float(bias[n]);
+    out[m * a.out_stride + n] = Traits::from_float(sum);
+  }
+}
+
+}  // namespace tpkit
