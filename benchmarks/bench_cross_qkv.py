@@ -29,6 +29,10 @@ torch's FlopCounterMode checked equal to the analytic count times the layers, an
 are timed in alternating rounds, the ratio is the median of the rounds' ratios and the times each one's
 best round, all per step. On CUDA the time is also taken from CUDA-graph replays of the whole step
 (kernels only), which the eager loop over layers, launch-bound for small kernels, needs to show the work.
+
+Both ways multiply with ``--linear-op``: ``decode`` (default), tpkit's ``decode_linear`` as tpkit's models
+run it (its CUDA kernel for the decode step's few rows, ``F.linear`` for the prefills and on CPU), or
+``F.linear`` throughout.
 """
 
 from __future__ import annotations
@@ -39,10 +43,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from bench_linear import device_parser, device_setup, summarise, time_graphed, time_interleaved
 from torch.utils.flop_counter import FlopCounterMode
 
-from tpkit.parallel_layers import QKVCrossParallelLinear, QKVParallelLinear, TPGroup
+from tpkit.attention import decode_linear
+from tpkit.parallel_layers import LinearOp, QKVCrossParallelLinear, QKVParallelLinear, TPGroup, set_linear_op
+
+LINEAR_OPS: dict[str, LinearOp] = {"decode": decode_linear, "F.linear": F.linear}
 
 
 @dataclass(frozen=True)
@@ -94,8 +102,8 @@ def weight_bytes(model: Model, dtype: torch.dtype) -> tuple[int, int]:
     return (q + kv) * row, q * row
 
 
-def _steps(model: Model, step: Step, layers: int, dtype: torch.dtype, device: torch.device
-           ) -> tuple[Callable[[], list[tuple]], Callable[[], list[tuple]]]:
+def _steps(model: Model, step: Step, layers: int, dtype: torch.dtype, device: torch.device,
+           linear_op: LinearOp) -> tuple[Callable[[], list[tuple]], Callable[[], list[tuple]]]:
     """The naive and the cross computation of every layer's (q, k, v) for one step, on the same weights."""
     single = TPGroup(None, 0, 1)
     args = (model.hidden_size, model.head_size, model.num_heads, model.num_kv_heads)
@@ -104,6 +112,8 @@ def _steps(model: Model, step: Step, layers: int, dtype: torch.dtype, device: to
         naive = QKVParallelLinear(*args, params_dtype=dtype, device=device, tp_group=single)
         cross = QKVCrossParallelLinear(*args, params_dtype=dtype, device=device, tp_group=single)
         cross.load_state_dict(naive.state_dict())
+        set_linear_op(naive, linear_op)
+        set_linear_op(cross, linear_op)
         pairs.append((naive, cross))
     # Each layer's decoder states are the previous layer's output, so distinct; every layer's cross-attention
     # reads the encoder's one output. layers x [batch, tokens, hidden]; [batch, tokens, hidden]
@@ -182,6 +192,8 @@ def main() -> None:
                              + ", ".join(f"{m.name} {m.layers}" for m in MODELS)
                              + f"; on CPU {CPU_LAYERS} for every model)")
     parser.add_argument("--rounds", type=int, default=None, help="timing rounds (default: 5 CPU, 21 CUDA)")
+    parser.add_argument("--linear-op", choices=tuple(LINEAR_OPS), default="decode",
+                        help="how both ways multiply (default: decode, tpkit's decode_linear, as the models)")
     args = parser.parse_args()
     if args.decode_batch < 1:
         parser.error(f"--decode-batch must be at least 1, got {args.decode_batch}")
@@ -197,7 +209,7 @@ def main() -> None:
     torch.manual_seed(0)
     where = torch.cuda.get_device_name(device) if on_cuda else f"CPU, {torch.get_num_threads()} threads"
     print(f"cross-attention q/k/v, naive QKVParallelLinear vs QKVCrossParallelLinear: {where}, {dtype}, "
-          f"torch {torch.__version__}")
+          f"torch {torch.__version__}; linear op: {args.linear_op}")
     print(_weights_line(layers, dtype, device))
     cpu_default = not (args.layers or on_cuda)
     print("GFLOP and ms per step: the projections of all its layers"
@@ -215,7 +227,8 @@ def main() -> None:
             for step in steps:
                 qkv_bytes, q_bytes = weight_bytes(model, dtype)
                 copies = _copies_beyond_l2(n * (q_bytes if step.encoder_tokens == 0 else qkv_bytes), device)
-                stacks = [_steps(model, step, n, dtype, device) for _ in range(copies)]
+                linear_op = LINEAR_OPS[args.linear_op]
+                stacks = [_steps(model, step, n, dtype, device, linear_op) for _ in range(copies)]
                 naive_step, cross_step = stacks[0]
                 _check(naive_step(), cross_step(), dtype)
                 naive_flops, cross_flops = _counted_flops(naive_step), _counted_flops(cross_step)

@@ -13,6 +13,10 @@ weight fits in the L2, on one copy again and again ("L2"): what a product costs 
 brought into L2 ahead of it. The table gives per projection the weight's MB, the floor at the copy
 bandwidth measured in the same run, each time in us, and the DRAM time's rate in GB/s and as % of the
 copy bandwidth.
+
+The tpkit column is ``tpkit.attention.decode_linear`` (the decode kernel with its planned split of
+in_features over a block's warps; the models' layers use it), timed the same way, with its ratio to
+cuBLASLt; ``--splits`` also times the kernel at each split given (``tpkit_splits_us`` in the JSON rows).
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from bench_latency import LLAMA3_8B
 from bench_paged_attention import _copy_bandwidth_gbps, _graph_time_us
+
+from tpkit.attention import _cuda, decode_linear
 
 TOUCHED_BYTES = 700_000_000  # weight bytes each graph streams: over 10x the L2
 REPLAYS = 20
@@ -53,7 +59,16 @@ def _time_us(x: torch.Tensor, weights: list[torch.Tensor], blas: str) -> float:
         torch.backends.cuda.preferred_blas_library(previous)
 
 
-def bench(batch: int, copy_bw_gbps: float) -> list[dict]:
+def _tpkit_time_us(x: torch.Tensor, weights: list[torch.Tensor], splits: int) -> float:
+    """decode_linear's kernel with this split of in_features (0: the planned one, what the layers run)."""
+    out = x.new_empty(x.shape[0], weights[0].shape[0])
+    if not _cuda.decode_linear(out, x, weights[0], None, splits):
+        raise SystemExit("bench_decode_gemm.py: the decode linear kernel is not available here")
+    calls = [lambda w=w: _cuda.decode_linear(out, x, w, None, splits) for w in weights]
+    return _graph_time_us(calls, REPLAYS)
+
+
+def bench(batch: int, copy_bw_gbps: float, splits: list[int]) -> list[dict]:
     l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
     generator = torch.Generator(device="cuda").manual_seed(0)
     rows = []
@@ -65,10 +80,13 @@ def bench(batch: int, copy_bw_gbps: float) -> list[dict]:
         x = torch.randn(batch, in_features, device="cuda", dtype=torch.bfloat16, generator=generator)
         expected = x.float() @ weights[0].float().t()
         torch.testing.assert_close(F.linear(x, weights[0]).float(), expected, atol=0.5, rtol=2e-2)
+        torch.testing.assert_close(decode_linear(x, weights[0]).float(), expected, atol=0.5, rtol=2e-2)
         row = {"projection": name, "batch": batch, "weight_MB": weight_bytes / 1e6,
                "floor_us": weight_bytes / copy_bw_gbps / 1e3,
                "dram_us": _time_us(x, weights, "cublaslt"), "dram_cublas_us": _time_us(x, weights, "cublas"),
-               "l2_us": None}
+               "l2_us": None,
+               "tpkit_us": _tpkit_time_us(x, weights, 0),
+               "tpkit_splits_us": {str(n): _tpkit_time_us(x, weights, n) for n in splits}}
         if weight_bytes <= l2_bytes:
             row["l2_us"] = _time_us(x, weights[:1] * copies, "cublaslt")
         row["GBps"] = weight_bytes / row["dram_us"] / 1e3
@@ -82,15 +100,19 @@ def bench(batch: int, copy_bw_gbps: float) -> list[dict]:
 def print_table(rows: list[dict], copy_bw_gbps: float) -> None:
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; copy bandwidth "
           f"{copy_bw_gbps:.0f} GB/s; batch {rows[0]['batch']}, bf16; us per call")
+    splits = list(rows[0]["tpkit_splits_us"])
     print("| projection | weight MB | floor us | DRAM us (cuBLASLt) | GB/s | % copy bw | DRAM us (cuBLAS) "
-          "| L2 us |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+          "| L2 us | tpkit us | tpkit / cuBLASLt |" + "".join(f" splits {n} |" for n in splits))
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(splits))
     for r in rows:
         l2 = "-" if r["l2_us"] is None else f"{r['l2_us']:.1f}"
         print(f"| {r['projection']} | {r['weight_MB']:.1f} | {r['floor_us']:.1f} | {r['dram_us']:.1f} | "
-              f"{r['GBps']:.0f} | {r['pct_copy_bw']:.1f} | {r['dram_cublas_us']:.1f} | {l2} |")
+              f"{r['GBps']:.0f} | {r['pct_copy_bw']:.1f} | {r['dram_cublas_us']:.1f} | {l2} | "
+              f"{r['tpkit_us']:.1f} | {r['tpkit_us'] / r['dram_us']:.2f} |"
+              + "".join(f" {r['tpkit_splits_us'][n]:.1f} |" for n in splits))
     layer = [r for r in rows if r["projection"] != "lm_head"]
-    print(f"a decoder layer's four: {sum(r['dram_us'] for r in layer):.1f} us against a floor of "
+    print(f"a decoder layer's four: {sum(r['dram_us'] for r in layer):.1f} us (cuBLASLt), "
+          f"{sum(r['tpkit_us'] for r in layer):.1f} us (tpkit), against a floor of "
           f"{sum(r['floor_us'] for r in layer):.1f} us")
 
 
@@ -99,13 +121,15 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=8, help="tokens a step (sequences decoded at once)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--splits", type=int, nargs="*", default=[], choices=(1, 2, 4, 8),
+                        help="also time tpkit's kernel with these splits of in_features over a block's warps")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode_gemm.py: needs a CUDA GPU")
     if args.batch < 1:
         parser.error(f"--batch: expected a positive number of tokens, got {args.batch}")
     copy_bw_gbps = _copy_bandwidth_gbps()
-    rows = bench(args.batch, copy_bw_gbps)
+    rows = bench(args.batch, copy_bw_gbps, args.splits)
     print_table(rows, copy_bw_gbps)
     if args.json:
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_GBps": copy_bw_gbps}

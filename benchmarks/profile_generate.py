@@ -23,7 +23,7 @@ from tpkit.models import LlamaForCausalLM
 KINDS = (  # first match wins; matched against the lower-cased kernel name
     ("attention", ("paged_attention",)),
     ("cache write", ("reshape_and_cache",)),
-    ("gemm", ("gemm", "gemv", "sm90_xmma", "cutlass", "nvjet", "splitk")),
+    ("gemm", ("gemm", "gemv", "sm90_xmma", "cutlass", "nvjet", "splitk", "decode_linear_kernel")),
 )
 
 

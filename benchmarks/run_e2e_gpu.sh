@@ -16,7 +16,7 @@ _cuda.build(torch.cuda.get_device_capability())"
 stage tests 140 torchrun --nproc-per-node 1 -m pytest -q -p no:cacheprovider --tb=short -W ignore::UserWarning \
   tests/test_models_llama.py tests/test_models_gpt_bigcode.py tests/test_models_bart.py tests/test_generate.py \
   tests/test_linear.py tests/test_cross_qkv.py tests/test_attention_layer.py tests/test_loader_ranks.py \
-  tests/test_loaders.py
+  tests/test_loaders.py tests/test_linear_op.py
 stage demo 90 sh -c "python3 -m tpkit.demo && python3 -m tpkit.demo --cuda-graph"
 stage cross_qkv 50 python3 benchmarks/bench_cross_qkv.py --device cuda
 stage tp_scaling 70 python3 benchmarks/bench_tp_scaling.py --device cuda --tp-sizes 1 --decode-steps 16 \

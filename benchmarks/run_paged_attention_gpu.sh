@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One call on the GPU machine (device tool): JIT-build the paged-attention extension, run its CUDA tests,
-# a compute-sanitizer memcheck of a few configurations, and the benchmark. Logs and the JSON go to $OUT.
+# One call on the GPU machine (device tool): JIT-build the extension, run its CUDA tests (paged attention,
+# the cache write, the decode linear), a compute-sanitizer memcheck of a few configurations, and the
+# paged-attention benchmark. Logs and the JSON go to $OUT.
 #   STAGES="build tests bench sanitize" bash benchmarks/run_paged_attention_gpu.sh [bench args...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -9,6 +10,7 @@ OUT=${OUT:-/tmp/tpkit_gpu_out}
 STAGES=${STAGES:-build tests bench sanitize}
 mkdir -p "$OUT"
 T=tests/test_paged_attention_cuda.py
+L=tests/test_decode_linear_cuda.py
 # Small, varied cases for memcheck: head 120 (k-step padding), MQA 48:1 + ALiBi, fp32, head 256,
 # many sequences (no split), the cluster merge (Hopper: mma and warpgroup kernels), two-slice steps,
 # swizzled rows with pad chunks, the warpgroup kernel (two warpgroups a block, in a small grid and for C6),
@@ -27,7 +29,10 @@ SANITIZE_CASES=("$T::test_paged_attention_grid[float16-120-32-4-True]"
                 "$T::test_paged_attention_warpgroup_plans[64-4096-2-2-1-True]"
                 "$T::test_paged_attention_cache_views[sequence_major-bfloat16-96-2]"
                 "$T::test_paged_attention_strided_query"
-                "$T::test_reshape_and_cache[120-torch.float16]")
+                "$T::test_reshape_and_cache[120-torch.float16]"
+                "$L::test_kernel_matches_float32[True-136-14336-9-bfloat16]"
+                "$L::test_every_split_gives_the_product[5-8]"
+                "$L::test_strided_rows_and_weight_slices")
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
 for stage in $STAGES; do
@@ -37,7 +42,7 @@ for stage in $STAGES; do
       python3 -c "import torch; from tpkit.attention import _cuda; _cuda.build(torch.cuda.get_device_capability())" \
         > "$OUT/build.log" 2>&1 || { echo "BUILD FAILED"; tail -40 "$OUT/build.log"; exit 1; } ;;
     tests)
-      timeout 400 python3 -m pytest -q -p no:cacheprovider --tb=short -W ignore::UserWarning $T \
+      timeout 400 python3 -m pytest -q -p no:cacheprovider --tb=short -W ignore::UserWarning $T $L \
         > "$OUT/tests.log" 2>&1; grep -E "passed|failed|error" "$OUT/tests.log" | tail -3
       grep -E "^FAILED|^ERROR" "$OUT/tests.log" | head -20 ;;
     sanitize)
