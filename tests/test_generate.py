@@ -23,7 +23,7 @@ from transformers.generation.logits_process import (
 
 from tpkit.models import LlamaForCausalLM, from_pretrained
 from tpkit.models.cuda_graph import StaticDecodeStep
-from tpkit.models.generation import Sampler, filter_logits
+from tpkit.models.generation import Sampler, filter_logits, greedy_tokens
 from tpkit.parallel_layers import TPGroup
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [20], [30, 31, 32, 33, 34, 35, 36]]
@@ -208,3 +208,15 @@ def test_from_pretrained_unknown_architecture_lists_the_supported(checkpoint, tm
                                          r"LlamaForCausalLM, Qwen2ForCausalLM, GPTBigCodeForCausalLM, "
                                          r"BartForConditionalGeneration"):
         from_pretrained(copy, tp_group=SINGLE, device="cpu")
+
+
+@pytest.mark.parametrize("vocab", [7, 256, 300, 50265, 128256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_is_argmax(vocab: int, dtype: torch.dtype) -> None:
+    # Random logits, logits with many ties (the first maximum wins) and rows of -inf; any device.
+    g = torch.Generator().manual_seed(vocab)
+    cases = [torch.randn(8, vocab, generator=g), torch.randint(0, 3, (8, vocab), generator=g).float(),
+             torch.full((2, vocab), float("-inf"))]
+    for logits in cases:
+        logits = logits.to(device(), dtype)
+        torch.testing.assert_close(greedy_tokens(logits), logits.argmax(dim=-1), rtol=0, atol=0)

@@ -100,6 +100,25 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int | None,
     return logits
 
 
+_ARGMAX_CHUNK = 256  # vocabulary entries a first-pass maximum covers
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` of ``[batch, vocab]`` logits as int64 ``[batch]``, in two passes: the maximum of
+    each chunk of ``_ARGMAX_CHUNK`` entries, then the best chunk. On a GPU torch's argmax gives each row to
+    one thread block, which leaves the GPU nearly idle for a decode step's few rows (a batch of 8 of
+    Llama-3's 128256 logits in bf16: 36.8 us on the H200, every step). Ties go to the first index, as
+    argmax's do: the first maximum of the first chunk holding one."""
+    batch, vocab = logits.shape
+    pad = -vocab % _ARGMAX_CHUNK
+    if pad:
+        logits = nn.functional.pad(logits, (0, pad), value=float("-inf"))
+    chunks = logits.reshape(batch, -1, _ARGMAX_CHUNK)  # [batch, num_chunks, chunk]
+    chunk_max, chunk_argmax = chunks.max(dim=-1)  # [batch, num_chunks] each
+    best_chunk = chunk_max.argmax(dim=-1, keepdim=True)  # [batch, 1]
+    return (best_chunk * _ARGMAX_CHUNK + chunk_argmax.gather(1, best_chunk)).squeeze(1)
+
+
 class Sampler:
     """Picks every sequence's next token from its logits; rank 0 draws and broadcasts (see the module doc)."""
 
@@ -132,7 +151,7 @@ class Sampler:
         if not self.is_source:
             tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
         elif self.temperature == 0:
-            tokens = logits.argmax(dim=-1)
+            tokens = greedy_tokens(logits) if logits.is_cuda else logits.argmax(dim=-1)
         else:
             probs = filter_logits(logits, self.temperature, self.top_k, self.top_p).softmax(dim=-1)
             tokens = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
