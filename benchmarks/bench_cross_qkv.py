@@ -202,6 +202,7 @@ def main() -> None:
     device, dtype = device_setup(parser, args)
     on_cuda = device.type == "cuda"
     rounds = args.rounds or (21 if on_cuda else 5)
+    linear_op = LINEAR_OPS[args.linear_op]
     layers = {m.name: args.layers or (m.layers if on_cuda else min(m.layers, CPU_LAYERS)) for m in MODELS}
     steps = (Step("prefill", 1, 128, 1024), Step("prefill", 1, 1024, 1024),
              Step("decode", args.decode_batch, 1, 0))
@@ -227,7 +228,6 @@ def main() -> None:
             for step in steps:
                 qkv_bytes, q_bytes = weight_bytes(model, dtype)
                 copies = _copies_beyond_l2(n * (q_bytes if step.encoder_tokens == 0 else qkv_bytes), device)
-                linear_op = LINEAR_OPS[args.linear_op]
                 stacks = [_steps(model, step, n, dtype, device, linear_op) for _ in range(copies)]
                 naive_step, cross_step = stacks[0]
                 _check(naive_step(), cross_step(), dtype)
