@@ -17,6 +17,9 @@ copy bandwidth.
 The tpkit column is ``tpkit.attention.decode_linear`` (the decode kernel with its planned split of
 in_features over a block's warps; the models' layers use it), timed the same way, with its ratio to
 cuBLASLt; ``--splits`` also times the kernel at each split given (``tpkit_splits_us`` in the JSON rows).
+For gate_up_proj it also times SwiGLU (``silu(gate) * up``, what LlamaMLP computes next): in the kernel's
+epilogue (``decode_linear_silu_and_mul``, as the models run it) against the plain kernel followed by the
+compiled element-wise SwiGLU (how the compiled decode step ran it before).
 """
 
 from __future__ import annotations
@@ -68,6 +71,28 @@ def _tpkit_time_us(x: torch.Tensor, weights: list[torch.Tensor], splits: int) ->
     return _graph_time_us(calls, REPLAYS)
 
 
+def _swiglu_times_us(x: torch.Tensor, weights: list[torch.Tensor]) -> dict[str, float]:
+    """gate_up_proj with SwiGLU: in the kernel's epilogue, and the plain kernel then a compiled SwiGLU."""
+    features = weights[0].shape[0] // 2
+    fused_out = x.new_empty(x.shape[0], features)
+    if not _cuda.decode_linear(fused_out, x, weights[0], None, 0, True):
+        raise SystemExit("bench_decode_gemm.py: the decode linear kernel does not take SwiGLU here")
+    gate, up = F.linear(x.float(), weights[0].float()).to(x.dtype).float().chunk(2, dim=-1)
+    torch.testing.assert_close(fused_out.float(), F.silu(gate) * up, atol=0.05, rtol=2e-2)
+    swiglu = torch.compile(lambda t: F.silu(t[:, :features]) * t[:, features:], fullgraph=True)
+    out = x.new_empty(x.shape[0], 2 * features)
+    swiglu(out)  # compiled before the graph captures it
+
+    def plain_then_swiglu(w: torch.Tensor) -> torch.Tensor:
+        _cuda.decode_linear(out, x, w, None, 0)
+        return swiglu(out)
+
+    fused = [lambda w=w: _cuda.decode_linear(fused_out, x, w, None, 0, True) for w in weights]
+    unfused = [lambda w=w: plain_then_swiglu(w) for w in weights]
+    return {"tpkit_swiglu_fused_us": _graph_time_us(fused, REPLAYS),
+            "tpkit_then_swiglu_us": _graph_time_us(unfused, REPLAYS)}
+
+
 def bench(batch: int, copy_bw_gbps: float, splits: list[int]) -> list[dict]:
     l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
     generator = torch.Generator(device="cuda").manual_seed(0)
@@ -89,6 +114,8 @@ def bench(batch: int, copy_bw_gbps: float, splits: list[int]) -> list[dict]:
                "tpkit_splits_us": {str(n): _tpkit_time_us(x, weights, n) for n in splits}}
         if weight_bytes <= l2_bytes:
             row["l2_us"] = _time_us(x, weights[:1] * copies, "cublaslt")
+        if name == "gate_up_proj":
+            row.update(_swiglu_times_us(x, weights))
         row["GBps"] = weight_bytes / row["dram_us"] / 1e3
         row["pct_copy_bw"] = 100 * row["GBps"] / copy_bw_gbps
         rows.append(row)
@@ -110,6 +137,10 @@ def print_table(rows: list[dict], copy_bw_gbps: float) -> None:
               f"{r['GBps']:.0f} | {r['pct_copy_bw']:.1f} | {r['dram_cublas_us']:.1f} | {l2} | "
               f"{r['tpkit_us']:.1f} | {r['tpkit_us'] / r['dram_us']:.2f} |"
               + "".join(f" {r['tpkit_splits_us'][n]:.1f} |" for n in splits))
+    for r in rows:
+        if "tpkit_swiglu_fused_us" in r:
+            print(f"{r['projection']} with SwiGLU: {r['tpkit_swiglu_fused_us']:.1f} us in the kernel's "
+                  f"epilogue, {r['tpkit_then_swiglu_us']:.1f} us as the plain kernel then a compiled SwiGLU")
     layer = [r for r in rows if r["projection"] != "lm_head"]
     print(f"a decoder layer's four: {sum(r['dram_us'] for r in layer):.1f} us (cuBLASLt), "
           f"{sum(r['tpkit_us'] for r in layer):.1f} us (tpkit), against a floor of "

@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tpkit.attention import _cuda, decode_linear
+from tpkit.attention import _cuda, decode_linear, decode_linear_silu_and_mul
+from tpkit.models import LlamaForCausalLM
 from tpkit.parallel_layers import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -177,3 +178,72 @@ def test_layers_with_decode_linear() -> None:
     assert set_linear_op(layers, decode_linear) == 5
     for out, ref in zip(run(), expected, strict=True):
         _assert_close(out, ref.float(), torch.bfloat16)
+
+
+def _silu_and_mul_reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    # gate and up rounded to the dtype, as the plain product's output; silu(gate) * up in float32.
+    gate, up = _reference(x, w, b).to(x.dtype).float().chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("num_rows", [1, 8, 9, 16])
+@pytest.mark.parametrize("features,in_features", [(8, 32), (520, 4096), (7168, 1024)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_silu_and_mul_matches_float32(dtype: torch.dtype, num_rows: int, features: int, in_features: int,
+                                      bias: bool) -> None:
+    x, w, b = _operands(num_rows, 2 * features, in_features, dtype, bias=bias)
+    out = torch.full((num_rows, features), float("nan"), device="cuda", dtype=dtype)
+    assert _cuda.decode_linear(out, x, w, b, 0, True)
+    _assert_close(out, _silu_and_mul_reference(x, w, b), dtype)
+    torch.testing.assert_close(decode_linear_silu_and_mul(x, w, b), out, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 4, 8])
+def test_silu_and_mul_every_split(splits: int) -> None:
+    x, w, b = _operands(12, 2 * 264, 2048, torch.bfloat16, bias=True, seed=splits)
+    out = torch.empty(12, 264, device="cuda", dtype=torch.bfloat16)
+    assert _cuda.decode_linear(out, x, w, b, splits, True)
+    _assert_close(out, _silu_and_mul_reference(x, w, b), torch.bfloat16)
+
+
+def test_silu_and_mul_declines_and_rejects() -> None:
+    # 12 features: not a multiple of 8, so the kernel says no and the wrapper computes it with F.linear.
+    x, w, b = _operands(4, 24, 256, torch.bfloat16, bias=True)
+    assert not _cuda.decode_linear(torch.empty(4, 12, device="cuda", dtype=torch.bfloat16), x, w, b, 0, True)
+    gate, up = F.linear(x, w, b).chunk(2, dim=-1)
+    torch.testing.assert_close(decode_linear_silu_and_mul(x, w, b), F.silu(gate) * up)
+    with pytest.raises(ValueError, match="out: expected \\[4, 12\\]"):
+        _cuda.decode_linear(torch.empty(4, 24, device="cuda", dtype=torch.bfloat16), x, w, b, 0, True)
+    with pytest.raises(ValueError, match="silu_and_mul: expected a weight of an even number of rows"):
+        _cuda.decode_linear(torch.empty(4, 11, device="cuda", dtype=torch.bfloat16), x, w[:23], None, 0, True)
+
+
+@torch.no_grad()
+def test_llama_mlp_swiglu_in_the_product() -> None:
+    # The model's MLP with SwiGLU in gate_up_proj's kernel, compiled and in a CUDA graph, against the same
+    # MLP multiplying with F.linear and applying SwiGLU itself.
+    config = {"hidden_size": 1024, "intermediate_size": 3584, "num_hidden_layers": 1,
+              "num_attention_heads": 8,
+              "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 64}
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config, dtype=torch.bfloat16, device="cuda", tp_group=TPGroup(None, 0, 1))
+    mlp = model.layers[0].mlp
+    x = torch.randn(8, 1, 1024, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(mlp, fullgraph=True)
+    fused = compiled(x)
+    static_x = torch.zeros_like(x)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        mlp(static_x)
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        static_out = mlp(static_x)
+    static_x.copy_(x)
+    graph.replay()
+    set_linear_op(mlp, F.linear)
+    expected = mlp(x).float()
+    _assert_close(fused, expected, torch.bfloat16)
+    _assert_close(static_out, expected, torch.bfloat16)

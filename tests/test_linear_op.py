@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from tpkit.attention import decode_linear
+from tpkit.attention import decode_linear, decode_linear_silu_and_mul
 from tpkit.models import LlamaForCausalLM
 from tpkit.parallel_layers import (
     ColumnParallelLinear,
@@ -120,6 +120,39 @@ def test_models_hand_decode_linear_to_their_layers() -> None:
               "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 64}
     model = LlamaForCausalLM(config, tp_group=SINGLE)
     users = [m for m in model.modules() if hasattr(m, "linear_op")]
-    # qkv, o, gate_up and down in each layer, and the head.
+    # qkv, o, gate_up and down in each layer, and the head; gate_up with SwiGLU (the default SiLU).
     assert len(users) == 4 * model.num_layers + 1
-    assert all(m.linear_op is decode_linear for m in users)
+    gate_ups = [layer.mlp.gate_up_proj for layer in model.layers]
+    assert all(m.linear_op is decode_linear_silu_and_mul for m in gate_ups)
+    assert all(m.linear_op is decode_linear for m in users if all(m is not g for g in gate_ups))
+    # Another activation: no SwiGLU in the product.
+    gelu = LlamaForCausalLM({**config, "hidden_act": "gelu"}, tp_group=SINGLE)
+    assert all(m.linear_op is decode_linear for m in gelu.modules() if hasattr(m, "linear_op"))
+
+
+def test_llama_mlp_with_and_without_swiglu_in_the_product() -> None:
+    config = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 64}
+    mlp = LlamaForCausalLM(config, tp_group=SINGLE).layers[0].mlp
+    x = torch.randn(2, 3, 64)
+    w_gate, w_up = mlp.gate_up_proj.weight.detach().chunk(2)
+    expected = F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), mlp.down_proj.weight)
+    fused = mlp(x)
+    set_linear_op(mlp, F.linear)  # the MLP now applies SwiGLU itself
+    torch.testing.assert_close(fused, expected)
+    torch.testing.assert_close(mlp(x), expected)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_decode_linear_silu_and_mul_on_cpu(bias: bool) -> None:
+    x, w = torch.randn(3, 5, 64), torch.randn(48, 64)
+    b = torch.randn(48) if bias else None
+    gate, up = F.linear(x, w, b).chunk(2, dim=-1)
+    assert torch.equal(decode_linear_silu_and_mul(x, w, b), F.silu(gate) * up)
+    torch.library.opcheck(torch.ops.tpkit.decode_linear_silu_and_mul.default, (x.view(15, 64), w, b))
+    with FlopCounterMode(display=False) as counter:
+        torch.ops.tpkit.decode_linear_silu_and_mul(x.view(15, 64), w, b)
+    assert counter.get_total_flops() == 2 * 15 * 48 * 64
+    with pytest.raises(ValueError, match=r"weight: expected \[2 \* features, in_features\] \(gate rows, then "
+                                         r"up rows\), got \(47, 64\)"):
+        decode_linear_silu_and_mul(x, w[:47], None)

@@ -9,7 +9,7 @@ for the CPU and a CUDA kernel for NVIDIA GPUs. Caches are
 
 from tpkit.attention.kv_cache import AttentionMetadata, PagedKVCache
 from tpkit.attention.layer import Attention
-from tpkit.attention.linear import decode_linear
+from tpkit.attention.linear import decode_linear, decode_linear_silu_and_mul
 from tpkit.attention.ops import paged_attention, reshape_and_cache
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "AttentionMetadata",
     "PagedKVCache",
     "decode_linear",
+    "decode_linear_silu_and_mul",
     "paged_attention",
     "reshape_and_cache",
 ]

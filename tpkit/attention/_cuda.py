@@ -218,6 +218,7 @@ def decode_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     splits: int = 0,
+    silu_and_mul: bool = False,
 ) -> bool:
     """``out = input @ weight.T (+ bias)`` with the decode linear kernel; False where no kernel is available
     here or the kernel does not take these tensors (float16 or bfloat16, at most 16 rows, ``in_features`` a
@@ -225,7 +226,9 @@ def decode_linear(
 
     input ``[num_rows, in_features]``, weight ``[out_features, in_features]``, bias ``[out_features]`` or
     None, out ``[num_rows, out_features]``. ``splits``: warps that share a weight row (1, 2, 4 or 8; 0
-    chooses from the shapes), for benchmarks. No host synchronisation: safe in CUDA graphs.
+    chooses from the shapes), for benchmarks. ``silu_and_mul``: the weight stacks a gate's rows over an up
+    projection's, and out ``[num_rows, out_features / 2]`` gets ``silu(gate) * up``. No host
+    synchronisation: safe in CUDA graphs.
     """
     module = _module_for(input.device)
-    return module is not None and module.decode_linear(out, input, weight, bias, splits)
+    return module is not None and module.decode_linear(out, input, weight, bias, splits, silu_and_mul)

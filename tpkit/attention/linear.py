@@ -41,6 +41,30 @@ def _(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> t
     return input.new_empty(input.shape[0], weight.shape[0])
 
 
+def _silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@torch.library.custom_op("tpkit::decode_linear_silu_and_mul", mutates_args=())
+def _decode_linear_silu_and_mul_op(input: torch.Tensor, weight: torch.Tensor,
+                                   bias: torch.Tensor | None) -> torch.Tensor:
+    # input [num_rows, in_features], weight [2 * features, in_features] (gate rows, then up rows), bias
+    # [2 * features] or None -> [num_rows, features], contiguous
+    if input.is_cuda:
+        from tpkit.attention import _cuda
+
+        out = input.new_empty(input.shape[0], weight.shape[0] // 2)
+        if _cuda.decode_linear(out, input, weight, bias, silu_and_mul=True):
+            return out
+    return _silu_and_mul(F.linear(input, weight, bias)).contiguous()
+
+
+@_decode_linear_silu_and_mul_op.register_fake
+def _(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return input.new_empty(input.shape[0], weight.shape[0] // 2)
+
+
 def _kernel_may_take(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """What the shapes, dtypes and devices decide; the kernel's binding checks strides and alignment."""
     if not (input.is_cuda and input.dtype in _KERNEL_DTYPES and weight.dim() == 2 and input.dim() >= 1):
@@ -79,7 +103,34 @@ def decode_linear(input: torch.Tensor, weight: torch.Tensor,
     return _decode_linear_op(rows, weight, bias).view(*input.shape[:-1], weight.shape[0])
 
 
-@register_flop_formula(torch.ops.tpkit.decode_linear)
+def decode_linear_silu_and_mul(input: torch.Tensor, weight: torch.Tensor,
+                               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """SwiGLU's first half: ``silu(gate) * up`` where
+    ``gate, up = F.linear(input, weight, bias).chunk(2, -1)``, with SwiGLU in the decode kernel's epilogue
+    where it applies (no kernel of its own, no ``[..., 2 * features]`` intermediate in memory).
+
+    Args:
+        input: ``[..., in_features]``.
+        weight: ``[2 * features, in_features]``, the gate's rows over the up projection's (a
+            ``MergedColumnParallelLinear`` of gate and up, on any rank).
+        bias: ``[2 * features]`` or None.
+
+    Returns:
+        ``[..., features]``. Where :func:`decode_linear` would run the kernel and ``features`` is a
+        multiple of 8, the kernel rounds gate and up to the dtype, then their product once (as a compiled
+        ``F.silu(gate) * up`` does); everywhere else this is that expression over ``F.linear``. Also a
+        ``linear_op`` for a gate/up layer whose caller wants the activated half (``LlamaMLP``).
+    """
+    if weight.dim() != 2 or weight.shape[0] % 2 != 0:
+        raise ValueError(f"decode_linear_silu_and_mul: weight: expected [2 * features, in_features] (gate "
+                         f"rows, then up rows), got {tuple(weight.shape)}")
+    if not _kernel_may_take(input, weight, bias) or weight.shape[0] % 16 != 0:
+        return _silu_and_mul(F.linear(input, weight, bias))
+    rows = input.reshape(-1, input.shape[-1])  # [num_rows, in_features]
+    return _decode_linear_silu_and_mul_op(rows, weight, bias).view(*input.shape[:-1], weight.shape[0] // 2)
+
+
+@register_flop_formula([torch.ops.tpkit.decode_linear, torch.ops.tpkit.decode_linear_silu_and_mul])
 def _decode_linear_flops(input_shape: torch.Size, weight_shape: torch.Size, *args: object,
                          **kwargs: object) -> int:
     # As torch counts F.linear's addmm: 2 * rows * out_features * in_features, the bias not counted.

@@ -16,7 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpkit.attention import Attention, AttentionMetadata, PagedKVCache, decode_linear
+from tpkit.attention import (
+    Attention,
+    AttentionMetadata,
+    PagedKVCache,
+    decode_linear,
+    decode_linear_silu_and_mul,
+)
 from tpkit.loaders import load_weights
 from tpkit.models.activations import get_activation
 from tpkit.models.generation import PagedDecoderOnlyLM, parse_eos_token_ids
@@ -84,6 +90,9 @@ class LlamaMLP(nn.Module):
         self.act = get_activation(config.get("hidden_act", "silu"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj.linear_op is decode_linear_silu_and_mul:
+            # The product applies SwiGLU itself (in the decode kernel's epilogue on GPUs).
+            return self.down_proj(self.gate_up_proj(x))  # via [batch, seq, intermediate_size / tp_size]
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each [batch, seq, intermediate_size / tp_size]
         return self.down_proj(self.act(gate) * up)
 
@@ -156,8 +165,12 @@ class LlamaForCausalLM(PagedDecoderOnlyLM):
         self.head_size = attention.head_size
         self.rotary_emb = RotaryEmbedding(self.head_size, self.max_positions, rope_parameters(config),
                                           device=device)
-        # A decode step's products (a few rows each) run tpkit's decode kernel on the GPU, F.linear elsewhere.
+        # A decode step's products (a few rows each) run tpkit's decode kernel on the GPU, F.linear elsewhere;
+        # with SiLU, gate_up_proj's applies SwiGLU too (one kernel fewer a layer).
         set_linear_op(self, decode_linear)
+        for layer in self.layers:
+            if layer.mlp.act is F.silu:
+                layer.mlp.gate_up_proj.linear_op = decode_linear_silu_and_mul
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       kv_cache: PagedKVCache | None = None,

@@ -258,17 +258,22 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 
 // out = input @ weight^T (+ bias) with the decode linear kernel; false (nothing launched) where the kernel
 // does not take these tensors (dtype, row count, sizes or alignment; decode_linear.h), for the caller to
-// fall back. input [num_rows, in_features], weight [out_features, in_features], out [num_rows, out_features].
+// fall back. input [num_rows, in_features], weight [out_features, in_features], out [num_rows, out_features];
+// with silu_and_mul, out [num_rows, out_features / 2] = silu(gate) * up of the product's two halves.
 bool decode_linear(at::Tensor out, const at::Tensor& input, const at::Tensor& weight,
-                   const std::optional<at::Tensor>& bias, int64_t splits) {
+                   const std::optional<at::Tensor>& bias, int64_t splits, bool silu_and_mul) {
   TPKIT_CHECK_VALUE(input.is_cuda(), "decode_linear (CUDA): input: expected a CUDA tensor, got ", input.device());
   check_cuda("decode_linear", weight, "weight", input.device());
   check_cuda("decode_linear", out, "out", input.device());
   TPKIT_CHECK_VALUE(input.dim() == 2 && weight.dim() == 2 && weight.size(1) == input.size(1),
                     "decode_linear (CUDA): expected input [num_rows, in_features] and weight [out_features, "
                     "in_features], got ", input.sizes(), " and ", weight.sizes());
-  TPKIT_CHECK_VALUE(out.dim() == 2 && out.size(0) == input.size(0) && out.size(1) == weight.size(0),
-                    "decode_linear (CUDA): out: expected [", input.size(0), ", ", weight.size(0), "], got ", out.sizes());
+  TPKIT_CHECK_VALUE(!silu_and_mul || weight.size(0) % 2 == 0,
+                    "decode_linear (CUDA): silu_and_mul: expected a weight of an even number of rows (gate, up), "
+                    "got ", weight.sizes());
+  const int64_t out_features = silu_and_mul ? weight.size(0) / 2 : weight.size(0);
+  TPKIT_CHECK_VALUE(out.dim() == 2 && out.size(0) == input.size(0) && out.size(1) == out_features,
+                    "decode_linear (CUDA): out: expected [", input.size(0), ", ", out_features, "], got ", out.sizes());
   const at::ScalarType dtype = input.scalar_type();
   TPKIT_CHECK_VALUE(weight.scalar_type() == dtype && out.scalar_type() == dtype,
                     "decode_linear (CUDA): expected one dtype for input, weight and out, got ", dtype, ", ",
@@ -296,6 +301,7 @@ bool decode_linear(at::Tensor out, const at::Tensor& input, const at::Tensor& we
   a.input_stride = input.stride(0);
   a.out_stride = out.stride(0);
   a.splits = static_cast<int>(splits);
+  a.silu_and_mul = silu_and_mul ? 1 : 0;
   if (!tpkit_decode_linear_supported(&a)) return false;
   const c10::cuda::CUDAGuard guard(input.device());
   check_launch(tpkit_decode_linear_launch(&a, c10::cuda::getCurrentCUDAStream()), "decode_linear");
@@ -325,5 +331,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("key"), py::arg("value"), py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"));
   m.def("decode_linear", &decode_linear,
         "out = input @ weight.T (+ bias) for up to 16 rows; False where the kernel does not take these tensors.",
-        py::arg("out"), py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("splits"));
+        py::arg("out"), py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("splits"),
+        py::arg("silu_and_mul") = false);
 }

@@ -8,6 +8,7 @@
 
 namespace {
 
+// A block computes 16 weight rows: 16 features, or 8 gate and 8 up features of SwiGLU's 8.
 int grid_blocks(const tpkit_decode_linear_args* a) {
   constexpr int kRows = tpkit::kLinearRowGroups * 8;
   return (a->out_features + kRows - 1) / kRows;
@@ -28,16 +29,21 @@ int planned_splits(const tpkit_decode_linear_args* a, int multiprocessors) {
   return splits;
 }
 
-template <typename T, int kSplits>
-cudaError_t launch_splits(const tpkit_decode_linear_args* a, cudaStream_t stream) {
+template <typename T, int kSplits, bool kSiLUAndMul>
+cudaError_t launch_rows(const tpkit_decode_linear_args* a, cudaStream_t stream) {
   const int blocks = grid_blocks(a);
   const int threads = tpkit::kLinearRowGroups * kSplits * 32;
   if (a->num_rows > 8) {
-    tpkit::decode_linear_kernel<T, kSplits, true><<<blocks, threads, 0, stream>>>(*a);
+    tpkit::decode_linear_kernel<T, kSplits, true, kSiLUAndMul><<<blocks, threads, 0, stream>>>(*a);
   } else {
-    tpkit::decode_linear_kernel<T, kSplits, false><<<blocks, threads, 0, stream>>>(*a);
+    tpkit::decode_linear_kernel<T, kSplits, false, kSiLUAndMul><<<blocks, threads, 0, stream>>>(*a);
   }
   return cudaGetLastError();
+}
+
+template <typename T, int kSplits>
+cudaError_t launch_splits(const tpkit_decode_linear_args* a, cudaStream_t stream) {
+  return a->silu_and_mul ? launch_rows<T, kSplits, true>(a, stream) : launch_rows<T, kSplits, false>(a, stream);
 }
 
 template <typename T>
@@ -58,8 +64,10 @@ extern "C" {
 
 int tpkit_decode_linear_supported(const tpkit_decode_linear_args* a) {
   const bool dtype_ok = a->dtype == TPKIT_FLOAT16 || a->dtype == TPKIT_BFLOAT16;
+  const int features_multiple = a->silu_and_mul ? 16 : 8;
   const bool shape_ok = a->num_rows >= 1 && a->num_rows <= TPKIT_DECODE_LINEAR_MAX_ROWS && a->in_features > 0 &&
-                        a->in_features % tpkit::kLinearStep == 0 && a->out_features > 0 && a->out_features % 8 == 0;
+                        a->in_features % tpkit::kLinearStep == 0 && a->out_features > 0 &&
+                        a->out_features % features_multiple == 0;
   // 16-byte loads of every input and weight row (2-byte elements: strides in multiples of 8).
   const bool aligned = aligned16(a->input) && aligned16(a->weight) && a->input_stride % 8 == 0;
   const bool splits_ok = a->splits == 0 || a->splits == 1 || a->splits == 2 || a->splits == 4 || a->splits == 8;

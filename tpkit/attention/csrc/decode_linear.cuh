@@ -40,17 +40,21 @@ __device__ __forceinline__ void multiply_step(float (&c)[4], const uint4* __rest
 
 // One block: kLinearRowGroups x kSplits warps; warp (group, split) multiplies 8 weight rows over the
 // split-th share of in_features with m16n8k16 products: the input as A (rows 0-7 and, with kUpperRows,
-// 8-15), the weight as B.
-template <typename T, int kSplits, bool kUpperRows>
+// 8-15), the weight as B. The block's two groups take 16 consecutive weight rows; with kSiLUAndMul, the
+// gate's 8 rows and the up projection's same 8 features, which the epilogue combines.
+template <typename T, int kSplits, bool kUpperRows, bool kSiLUAndMul>
 __global__ void __launch_bounds__(kLinearRowGroups * kSplits * 32,
                                   kLinearThreadsPerSM / (kLinearRowGroups * kSplits * 32))
     decode_linear_kernel(const tpkit_decode_linear_args a) {
+  static_assert(!kSiLUAndMul || kLinearRowGroups == 2, "a gate group and an up group");
   using Traits = DTypeTraits<T>;
   __shared__ float partial[kLinearRowGroups][kSplits][16][8];  // [group][split][row m][feature n]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = warp / kSplits, split = warp % kSplits;
   const int r = lane / 4, t = lane % 4;  // a lane's row (of input and of weight) and its 16 bytes a step
-  const int n0 = (blockIdx.x * kLinearRowGroups + group) * 8;
+  // With kSiLUAndMul, the gate's features (as many as the up projection's) are a.out_features / 2.
+  const int n0 = kSiLUAndMul ? blockIdx.x * 8 + (group == 0 ? 0 : a.out_features / 2)
+                             : (blockIdx.x * kLinearRowGroups + group) * 8;
   float c[4] = {0.f, 0.f, 0.f, 0.f};
   if (n0 < a.out_features) {
     const int steps = a.in_features / kLinearStep;
@@ -78,6 +82,27 @@ __global__ void __launch_bounds__(kLinearRowGroups * kSplits * 32,
   __syncthreads();
   T* out = static_cast<T*>(a.out);
   const T* bias = static_cast<const T*>(a.bias);
+  if constexpr (kSiLUAndMul) {
+    const int features = a.out_features / 2;
+    for (int i = threadIdx.x; i < 16 * 8; i += blockDim.x) {
+      const int m = i / 8, j = i % 8, n = blockIdx.x * 8 + j;
+      if (m >= a.num_rows || n >= features) continue;
+      float gate = 0.f, up = 0.f;
+#pragma unroll
+      for (int s = 0; s < kSplits; ++s) {
+        gate += partial[0][s][m][j];
+        up += partial[1][s][m][j];
+      }
+      if (bias != nullptr) {
+        gate += Traits::to_float(bias[n]);
+        up += Traits::to_float(bias[features + n]);
+      }
+      gate = Traits::to_float(Traits::from_float(gate));
+      up = Traits::to_float(Traits::from_float(up));
+      out[m * a.out_stride + n] = Traits::from_float(gate / (1.f + __expf(-gate)) * up);
+    }
+    return;
+  }
   for (int i = threadIdx.x; i < kLinearRowGroups * 16 * 8; i += blockDim.x) {
     const int g = i / 128, m = i / 8 % 16, j = i % 8;
     const int n = (blockIdx.x * kLinearRowGroups + g) * 8 + j;

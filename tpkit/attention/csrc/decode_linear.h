@@ -24,13 +24,17 @@ typedef struct {
   int64_t input_stride;  // in elements
   int64_t out_stride;
   int splits;            // warps that share one weight row's in_features; 0: chosen from the shapes
+  // 1: the weight stacks a gate's rows over an up projection's (out_features = 2 * features), and out
+  // [num_rows, features] gets silu(gate) * up, each rounded to the dtype first as the plain product's
+  // output would be, the product of the two rounded once (SwiGLU, as LlamaMLP computes it).
+  int silu_and_mul;
 } tpkit_decode_linear_args;
 
 // The most rows one launch takes.
 #define TPKIT_DECODE_LINEAR_MAX_ROWS 16
 
 // 1 when the kernel takes these arguments: float16 or bfloat16, 1-16 rows, in_features a multiple of 32,
-// out_features of 8, input and weight rows 16-byte aligned, splits 0, 1, 2, 4 or 8.
+// out_features of 8 (of 16 with silu_and_mul), input and weight rows 16-byte aligned, splits 0, 1, 2, 4 or 8.
 int tpkit_decode_linear_supported(const tpkit_decode_linear_args* args);
 
 // Launches the kernel on `stream` (cudaErrorInvalidValue where tpkit_decode_linear_supported says 0).
