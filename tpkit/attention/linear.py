@@ -14,6 +14,8 @@ where the kernel can run and no gradient is wanted, and ``F.linear`` everywhere 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import register_flop_formula
@@ -22,47 +24,49 @@ _MAX_ROWS = 16  # TPKIT_DECODE_LINEAR_MAX_ROWS of csrc/decode_linear.h
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
 
-@torch.library.custom_op("tpkit::decode_linear", mutates_args=())
-def _decode_linear_op(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    # input [num_rows, in_features], weight [out_features, in_features], bias [out_features] or None
-    # -> [num_rows, out_features], contiguous
-    if input.is_cuda:
-        # Imported here so that CPU-only use never touches the extension.
-        from tpkit.attention import _cuda
-
-        out = input.new_empty(input.shape[0], weight.shape[0])
-        if _cuda.decode_linear(out, input, weight, bias):
-            return out
-    return F.linear(input, weight, bias).contiguous()
-
-
-@_decode_linear_op.register_fake
-def _(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return input.new_empty(input.shape[0], weight.shape[0])
-
-
 def _silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
+def _features(weight: torch.Tensor, silu_and_mul: bool) -> int:
+    return weight.shape[0] // 2 if silu_and_mul else weight.shape[0]
+
+
+def _run(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+         silu_and_mul: bool) -> torch.Tensor:
+    # input [num_rows, in_features], weight [out_features, in_features] (with silu_and_mul the gate's rows,
+    # then the up projection's), bias [out_features] or None -> [num_rows, features], contiguous
+    if input.is_cuda:
+        # Imported here so that CPU-only use never touches the extension.
+        from tpkit.attention import _cuda
+
+        out = input.new_empty(input.shape[0], _features(weight, silu_and_mul))
+        if _cuda.decode_linear(out, input, weight, bias, silu_and_mul=silu_and_mul):
+            return out
+    product = F.linear(input, weight, bias)
+    return (_silu_and_mul(product) if silu_and_mul else product).contiguous()
+
+
+@torch.library.custom_op("tpkit::decode_linear", mutates_args=())
+def _decode_linear_op(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return _run(input, weight, bias, silu_and_mul=False)
+
+
+@_decode_linear_op.register_fake
+def _(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return input.new_empty(input.shape[0], _features(weight, False))
+
+
 @torch.library.custom_op("tpkit::decode_linear_silu_and_mul", mutates_args=())
 def _decode_linear_silu_and_mul_op(input: torch.Tensor, weight: torch.Tensor,
                                    bias: torch.Tensor | None) -> torch.Tensor:
-    # input [num_rows, in_features], weight [2 * features, in_features] (gate rows, then up rows), bias
-    # [2 * features] or None -> [num_rows, features], contiguous
-    if input.is_cuda:
-        from tpkit.attention import _cuda
-
-        out = input.new_empty(input.shape[0], weight.shape[0] // 2)
-        if _cuda.decode_linear(out, input, weight, bias, silu_and_mul=True):
-            return out
-    return _silu_and_mul(F.linear(input, weight, bias)).contiguous()
+    return _run(input, weight, bias, silu_and_mul=True)
 
 
 @_decode_linear_silu_and_mul_op.register_fake
 def _(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return input.new_empty(input.shape[0], weight.shape[0] // 2)
+    return input.new_empty(input.shape[0], _features(weight, True))
 
 
 def _kernel_may_take(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -99,8 +103,7 @@ def decode_linear(input: torch.Tensor, weight: torch.Tensor,
     """
     if not _kernel_may_take(input, weight, bias):
         return F.linear(input, weight, bias)
-    rows = input.reshape(-1, input.shape[-1])  # [num_rows, in_features]
-    return _decode_linear_op(rows, weight, bias).view(*input.shape[:-1], weight.shape[0])
+    return _on_rows(_decode_linear_op, input, weight, bias, _features(weight, False))
 
 
 def decode_linear_silu_and_mul(input: torch.Tensor, weight: torch.Tensor,
@@ -126,8 +129,15 @@ def decode_linear_silu_and_mul(input: torch.Tensor, weight: torch.Tensor,
                          f"rows, then up rows), got {tuple(weight.shape)}")
     if not _kernel_may_take(input, weight, bias) or weight.shape[0] % 16 != 0:
         return _silu_and_mul(F.linear(input, weight, bias))
-    rows = input.reshape(-1, input.shape[-1])  # [num_rows, in_features]
-    return _decode_linear_silu_and_mul_op(rows, weight, bias).view(*input.shape[:-1], weight.shape[0] // 2)
+    return _on_rows(_decode_linear_silu_and_mul_op, input, weight, bias, _features(weight, True))
+
+
+def _on_rows(op: Callable[..., torch.Tensor], input: torch.Tensor, weight: torch.Tensor,
+             bias: torch.Tensor | None, features: int) -> torch.Tensor:
+    """``op`` on ``input``'s rows flattened to ``[num_rows, in_features]``, its ``[num_rows, features]``
+    viewed with ``input``'s leading dimensions again."""
+    rows = input.reshape(-1, input.shape[-1])
+    return op(rows, weight, bias).view(*input.shape[:-1], features)
 
 
 @register_flop_formula([torch.ops.tpkit.decode_linear, torch.ops.tpkit.decode_linear_silu_and_mul])
