@@ -19,7 +19,8 @@ in_features over a block's warps; the models' layers use it), timed the same way
 cuBLASLt; ``--splits`` also times the kernel at each split given (``tpkit_splits_us`` in the JSON rows).
 For gate_up_proj it also times SwiGLU (``silu(gate) * up``, what LlamaMLP computes next): in the kernel's
 epilogue (``decode_linear_silu_and_mul``, as the models run it) against the plain kernel followed by the
-compiled element-wise SwiGLU (how the compiled decode step ran it before).
+compiled element-wise SwiGLU (how the compiled decode step ran it before). For qkv_proj it also times RoPE
+and the cache write in the kernel's epilogue (``decode_qkv_rope_cache``, as the models run a decode step).
 """
 
 from __future__ import annotations
@@ -93,6 +94,25 @@ def _swiglu_times_us(x: torch.Tensor, weights: list[torch.Tensor]) -> dict[str, 
             "tpkit_then_swiglu_us": _graph_time_us(unfused, REPLAYS)}
 
 
+def _rope_cache_time_us(x: torch.Tensor, weights: list[torch.Tensor], config: dict) -> float:
+    """qkv_proj with RoPE on q and k and the cache write of k and v in the kernel's epilogue
+    (``decode_qkv_rope_cache``, as the Llama models run a decode step): the kernel that replaced the plain
+    product, the compiled rotation and ``reshape_and_cache``."""
+    num_heads, num_kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_size = config["hidden_size"] // num_heads
+    batch = x.shape[0]
+    angles = torch.rand(batch, head_size // 2, device="cuda")
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    caches = torch.randn(2, 64, 16, num_kv_heads, head_size, device="cuda", dtype=x.dtype)
+    slots = torch.randperm(64 * 16, device="cuda")[:batch]
+    out = x.new_empty(batch, weights[0].shape[0])
+    args = (cos, sin, caches[0], caches[1], slots, num_heads)
+    if not _cuda.decode_qkv_rope_cache(out, x, weights[0], None, *args):
+        raise SystemExit("bench_decode_gemm.py: the decode kernel does not take RoPE and the cache here")
+    return _graph_time_us([lambda w=w: _cuda.decode_qkv_rope_cache(out, x, w, None, *args) for w in weights],
+                          REPLAYS)
+
+
 def bench(batch: int, copy_bw_gbps: float, splits: list[int]) -> list[dict]:
     l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
     generator = torch.Generator(device="cuda").manual_seed(0)
@@ -116,6 +136,8 @@ def bench(batch: int, copy_bw_gbps: float, splits: list[int]) -> list[dict]:
             row["l2_us"] = _time_us(x, weights[:1] * copies, "cublaslt")
         if name == "gate_up_proj":
             row.update(_swiglu_times_us(x, weights))
+        if name == "qkv_proj":
+            row["tpkit_rope_cache_us"] = _rope_cache_time_us(x, weights, LLAMA3_8B)
         row["GBps"] = weight_bytes / row["dram_us"] / 1e3
         row["pct_copy_bw"] = 100 * row["GBps"] / copy_bw_gbps
         rows.append(row)
@@ -138,6 +160,9 @@ def print_table(rows: list[dict], copy_bw_gbps: float) -> None:
               f"{r['tpkit_us']:.1f} | {r['tpkit_us'] / r['dram_us']:.2f} |"
               + "".join(f" {r['tpkit_splits_us'][n]:.1f} |" for n in splits))
     for r in rows:
+        if "tpkit_rope_cache_us" in r:
+            print(f"{r['projection']} with RoPE and the cache write: {r['tpkit_rope_cache_us']:.1f} us in "
+                  f"the kernel's epilogue ({r['tpkit_us']:.1f} us without)")
         if "tpkit_swiglu_fused_us" in r:
             print(f"{r['projection']} with SwiGLU: {r['tpkit_swiglu_fused_us']:.1f} us in the kernel's "
                   f"epilogue, {r['tpkit_then_swiglu_us']:.1f} us as the plain kernel then a compiled SwiGLU")

@@ -12,7 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tpkit.attention import _cuda, decode_linear, decode_linear_silu_and_mul
+from tpkit.attention import (
+    _cuda,
+    apply_rotary,
+    decode_linear,
+    decode_linear_silu_and_mul,
+    decode_qkv_rope_cache,
+)
 from tpkit.models import LlamaForCausalLM
 from tpkit.parallel_layers import (
     ColumnParallelLinear,
@@ -219,16 +225,19 @@ def test_silu_and_mul_declines_and_rejects() -> None:
         _cuda.decode_linear(torch.empty(4, 11, device="cuda", dtype=torch.bfloat16), x, w[:23], None, 0, True)
 
 
-@torch.no_grad()
-def test_llama_mlp_swiglu_in_the_product() -> None:
-    # The model's MLP with SwiGLU in gate_up_proj's kernel, compiled and in a CUDA graph, against the same
-    # MLP multiplying with F.linear and applying SwiGLU itself.
+def _small_llama_model() -> LlamaForCausalLM:
     config = {"hidden_size": 1024, "intermediate_size": 3584, "num_hidden_layers": 1,
               "num_attention_heads": 8,
               "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 64}
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config, dtype=torch.bfloat16, device="cuda", tp_group=TPGroup(None, 0, 1))
-    mlp = model.layers[0].mlp
+    return LlamaForCausalLM(config, dtype=torch.bfloat16, device="cuda", tp_group=TPGroup(None, 0, 1))
+
+
+@torch.no_grad()
+def test_llama_mlp_swiglu_in_the_product() -> None:
+    # The model's MLP with SwiGLU in gate_up_proj's kernel, compiled and in a CUDA graph, against the same
+    # MLP multiplying with F.linear and applying SwiGLU itself.
+    mlp = _small_llama_model().layers[0].mlp
     x = torch.randn(8, 1, 1024, device="cuda", dtype=torch.bfloat16)
     compiled = torch.compile(mlp, fullgraph=True)
     fused = compiled(x)
@@ -247,3 +256,111 @@ def test_llama_mlp_swiglu_in_the_product() -> None:
     expected = mlp(x).float()
     _assert_close(fused, expected, torch.bfloat16)
     _assert_close(static_out, expected, torch.bfloat16)
+
+
+def _rope_cache_operands(num_rows: int, num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
+                         *, bias: bool) -> dict[str, torch.Tensor]:
+    """A decode step's q, k, v projection operands, random caches of 9 blocks of 16 slots, a slot for
+    every row (distinct, in random blocks), the last row's slot -1 (padding)."""
+    x, w, b = _operands(num_rows, (num_heads + 2 * num_kv_heads) * head_size, 256, dtype, bias=bias)
+    g = torch.Generator().manual_seed(num_rows + head_size)
+    angles = torch.rand(num_rows, head_size // 2, generator=g) * 6.28
+    caches = torch.randn(2, 9, 16, num_kv_heads, head_size, generator=g).to("cuda", dtype)
+    slots = torch.randperm(9 * 16, generator=g)[:num_rows]
+    slots[-1] = -1
+    return {"input": x, "weight": w, "bias": b, "cos": angles.cos().to("cuda", dtype),
+            "sin": angles.sin().to("cuda", dtype), "key_cache": caches[0], "value_cache": caches[1],
+            "slot_mapping": slots.to("cuda")}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("num_rows", [2, 8, 9, 16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_size", [(8, 2, 128), (4, 4, 64), (6, 1, 80)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_qkv_rope_cache_matches_float32(dtype: torch.dtype, num_rows: int, num_heads: int, num_kv_heads: int,
+                                        head_size: int, bias: bool) -> None:
+    t = _rope_cache_operands(num_rows, num_heads, num_kv_heads, head_size, dtype, bias=bias)
+    key_before, value_before = t["key_cache"].clone(), t["value_cache"].clone()
+    out = torch.full((num_rows, t["weight"].shape[0]), float("nan"), device="cuda", dtype=dtype)
+    assert _cuda.decode_qkv_rope_cache(out, **t, num_heads=num_heads)
+    # The product rounded to the dtype, then rotated in float32.
+    qkv = _reference(t["input"], t["weight"], t["bias"]).to(dtype).float().view(num_rows, -1, head_size)
+    rotated = apply_rotary(qkv[None, :, : num_heads + num_kv_heads], t["cos"].float()[None, :, None],
+                           t["sin"].float()[None, :, None])[0]
+    expected = torch.cat((rotated, qkv[:, num_heads + num_kv_heads:]), dim=1)  # [num_rows, heads, head_size]
+    _assert_close(out, expected.flatten(1), dtype)
+    # Each row's k and v in its slot; the padding row's and every other slot untouched.
+    key_expected, value_expected = key_before.float(), value_before.float()
+    for row, slot in enumerate(t["slot_mapping"].tolist()[:-1]):
+        key_expected[slot // 16, slot % 16] = expected[row, num_heads: num_heads + num_kv_heads]
+        value_expected[slot // 16, slot % 16] = expected[row, num_heads + num_kv_heads:]
+    _assert_close(t["key_cache"], key_expected, dtype)
+    _assert_close(t["value_cache"], value_expected, dtype)
+    written = torch.zeros(9 * 16, dtype=torch.bool)
+    written[t["slot_mapping"][:-1].cpu()] = True
+    untouched = ~written.view(9, 16).to("cuda")
+    assert torch.equal(t["key_cache"][untouched], key_before[untouched])
+    assert torch.equal(t["value_cache"][untouched], value_before[untouched])
+
+
+def test_qkv_rope_cache_wrapper_and_fallback_agree() -> None:
+    # decode_qkv_rope_cache on [batch, 1, hidden] with the model's cos, sin [batch, 1, 1, head_size / 2],
+    # through the kernel; and through its PyTorch path (head_size 72 is no multiple of 16).
+    for head_size, kernel in ((128, True), (72, False)):
+        t = _rope_cache_operands(6, 4, 2, head_size, torch.bfloat16, bias=True)
+        reference = {k: v.clone() for k, v in t.items() if v is not None}
+        out = torch.empty(6, t["weight"].shape[0], device="cuda", dtype=torch.bfloat16)
+        assert _cuda.decode_qkv_rope_cache(out, **t, num_heads=4) == kernel
+        x, cos, sin = t["input"].view(6, 1, 256), t["cos"].view(6, 1, 1, -1), t["sin"].view(6, 1, 1, -1)
+        got = decode_qkv_rope_cache(x, t["weight"], t["bias"], cos, sin, t["key_cache"], t["value_cache"],
+                                    t["slot_mapping"], 4)
+        qkv = F.linear(reference["input"], reference["weight"], reference["bias"]).view(6, -1, head_size)
+        cos, sin = reference["cos"][None, :, None], reference["sin"][None, :, None]
+        qk = apply_rotary(qkv[None, :, :6], cos, sin)[0]
+        expected = torch.cat((qk, qkv[:, 6:]), dim=1)
+        _assert_close(got.view(6, -1), expected.flatten(1).float(), torch.bfloat16)
+        rows = t["slot_mapping"][:-1]
+        _assert_close(t["key_cache"].flatten(0, 1)[rows], expected[:-1, 4:6].float(), torch.bfloat16)
+        _assert_close(t["value_cache"].flatten(0, 1)[rows], expected[:-1, 6:].float(), torch.bfloat16)
+
+
+def test_qkv_rope_cache_rejects_bad_arguments() -> None:
+    t = _rope_cache_operands(4, 4, 2, 64, torch.bfloat16, bias=False)
+    out = torch.empty(4, 512, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"weight: expected \[\(num_heads \+ 2 \* num_kv_heads\) \* "
+                                         r"head_size = 576, in_features\]"):
+        _cuda.decode_qkv_rope_cache(out, **t, num_heads=5)
+    with pytest.raises(ValueError, match=r"decode_qkv_rope_cache: weight: expected"):
+        decode_qkv_rope_cache(t["input"], t["weight"], None, t["cos"], t["sin"], t["key_cache"],
+                              t["value_cache"], t["slot_mapping"], 5)
+    with pytest.raises(ValueError, match=r"cos: expected BFloat16 \[4, 32\], got BFloat16 \[4, 16\]"):
+        _cuda.decode_qkv_rope_cache(out, **{**t, "cos": t["cos"][:, :16]}, num_heads=4)
+    with pytest.raises(ValueError, match=r"slot_mapping: expected int64 \[4\]"):
+        _cuda.decode_qkv_rope_cache(out, **{**t, "slot_mapping": t["slot_mapping"].int()}, num_heads=4)
+
+
+@torch.inference_mode()
+def test_llama_decode_step_rope_and_cache_in_the_product() -> None:
+    # A decode step whose qkv_proj kernel rotates q, k and writes the cache, against the same step with
+    # F.linear products, the model's rotation and reshape_and_cache: logits and the caches written.
+    model = _small_llama_model()
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 256, (n,), generator=generator).tolist() for n in (5, 17, 33)]
+    caches = model._reserve_kv_caches(model._plan_kv_cache([len(p) for p in prompts], 2))
+    tokens = model._prefill(prompts, caches).argmax(-1)
+    metadata = model._decode_metadata(caches, [0, 1, 2])
+    before = [t.clone() for t in _cache_tensors(caches)]
+    assert model.layers[0].self_attn._rope_and_cache_in_product(caches["self"], metadata["self"])
+    fused = model._decode_step(tokens[:, None], metadata, caches).float()
+    fused_caches = [t.clone() for t in _cache_tensors(caches)]
+    for t, saved in zip(_cache_tensors(caches), before, strict=True):
+        t.copy_(saved)
+    set_linear_op(model, F.linear)
+    assert not model.layers[0].self_attn._rope_and_cache_in_product(caches["self"], metadata["self"])
+    _assert_close(fused, model._decode_step(tokens[:, None], metadata, caches).float(), torch.bfloat16)
+    for t, got in zip(_cache_tensors(caches), fused_caches, strict=True):
+        _assert_close(got, t.float(), torch.bfloat16)
+
+
+def _cache_tensors(caches: dict) -> list[torch.Tensor]:
+    return [t for cache in caches.values() for t in (*cache.key_caches, *cache.value_caches)]

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from tpkit.attention import decode_linear, decode_linear_silu_and_mul
+from tpkit.attention import apply_rotary, decode_linear, decode_linear_silu_and_mul, decode_qkv_rope_cache
 from tpkit.models import LlamaForCausalLM
 from tpkit.parallel_layers import (
     ColumnParallelLinear,
@@ -156,3 +156,32 @@ def test_decode_linear_silu_and_mul_on_cpu(bias: bool) -> None:
     with pytest.raises(ValueError, match=r"weight: expected \[2 \* features, in_features\] \(gate rows, then "
                                          r"up rows\), got \(47, 64\)"):
         decode_linear_silu_and_mul(x, w[:47], None)
+
+
+def test_decode_qkv_rope_cache_on_cpu() -> None:
+    # The op's PyTorch path: the product, the models' rotation of q and k, reshape_and_cache of k and v.
+    torch.manual_seed(0)
+    num_heads, num_kv_heads, head_size = 4, 2, 16
+    features = (num_heads + 2 * num_kv_heads) * head_size  # 128
+    x, w, b = torch.randn(3, 1, 64), torch.randn(features, 64), torch.randn(features)
+    angles = torch.rand(3, 1, 1, head_size // 2) * 6
+    cos, sin = angles.cos(), angles.sin()
+    key_cache, value_cache = torch.randn(2, 4, 8, num_kv_heads, head_size).unbind(0)
+    slot_mapping = torch.tensor([5, -1, 30])
+    key_before, value_before = key_cache.clone(), value_cache.clone()
+    qkv = decode_qkv_rope_cache(x, w, b, cos, sin, key_cache, value_cache, slot_mapping, num_heads)
+    heads = F.linear(x, w, b).view(3, 1, -1, head_size)  # [batch, seq, heads, head_size]
+    qk = apply_rotary(heads[:, :, : num_heads + num_kv_heads], cos, sin)
+    assert torch.equal(qkv, torch.cat((qk, heads[:, :, num_heads + num_kv_heads:]), dim=2).flatten(2))
+    key_before.view(32, num_kv_heads, head_size)[[5, 30]] = qk[[0, 2], 0, num_heads:]
+    value_before.view(32, num_kv_heads, head_size)[[5, 30]] = heads[[0, 2], 0, num_heads + num_kv_heads:]
+    assert torch.equal(key_cache, key_before) and torch.equal(value_cache, value_before)
+    args = (x.view(3, 64), w, b, cos.view(3, -1), sin.view(3, -1), key_cache, value_cache, slot_mapping,
+            num_heads)
+    torch.library.opcheck(torch.ops.tpkit.decode_qkv_rope_cache.default, args)
+    with FlopCounterMode(display=False) as counter:
+        torch.ops.tpkit.decode_qkv_rope_cache(*args)
+    assert counter.get_total_flops() == 2 * 3 * 128 * 64
+    with pytest.raises(ValueError, match=r"decode_qkv_rope_cache: weight: expected \[\(num_heads \+ 2 \* "
+                                         r"num_kv_heads\) \* head_size = 144, in_features\]"):
+        decode_qkv_rope_cache(x, w, b, cos, sin, key_cache, value_cache, slot_mapping, 5)

@@ -232,3 +232,28 @@ def decode_linear(
     """
     module = _module_for(input.device)
     return module is not None and module.decode_linear(out, input, weight, bias, splits, silu_and_mul)
+
+
+def decode_qkv_rope_cache(
+    out: torch.Tensor,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+) -> bool:
+    """:func:`decode_linear` of a fused q, k, v projection with RoPE on its q and k heads and its k and v
+    heads written to the caches, in the kernel's epilogue; False where no kernel is available here or the
+    kernel does not take these tensors.
+
+    out ``[num_rows, (num_heads + 2 * num_kv_heads) * head_size]``; cos, sin ``[num_rows, head_size / 2]``;
+    caches ``[num_blocks, block_size, num_kv_heads, head_size]`` (written in place at ``slot_mapping``, int64
+    ``[num_rows]``; a negative slot or one past the cache is skipped).
+    """
+    module = _module_for(input.device)
+    return module is not None and module.decode_qkv_rope_cache(out, input, weight, bias, cos, sin, key_cache,
+                                                               value_cache, slot_mapping, num_heads)

@@ -20,6 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import register_flop_formula
 
+from tpkit.attention.ops import reshape_and_cache
+from tpkit.attention.rotary import apply_rotary
+
 _MAX_ROWS = 16  # TPKIT_DECODE_LINEAR_MAX_ROWS of csrc/decode_linear.h
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -140,7 +143,79 @@ def _on_rows(op: Callable[..., torch.Tensor], input: torch.Tensor, weight: torch
     return op(rows, weight, bias).view(*input.shape[:-1], features)
 
 
-@register_flop_formula([torch.ops.tpkit.decode_linear, torch.ops.tpkit.decode_linear_silu_and_mul])
+@torch.library.custom_op("tpkit::decode_qkv_rope_cache", mutates_args=("key_cache", "value_cache"))
+def _decode_qkv_rope_cache_op(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                              cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,
+                              value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                              num_heads: int) -> torch.Tensor:
+    # input [num_rows, in_features], weight [(num_heads + 2 * num_kv_heads) * head_size, in_features],
+    # cos, sin [num_rows, head_size / 2], caches [num_blocks, block_size, num_kv_heads, head_size],
+    # slot_mapping [num_rows] -> qkv [num_rows, (num_heads + 2 * num_kv_heads) * head_size], contiguous
+    if input.is_cuda:
+        from tpkit.attention import _cuda
+
+        out = input.new_empty(input.shape[0], weight.shape[0])
+        if _cuda.decode_qkv_rope_cache(out, input, weight, bias, cos, sin, key_cache, value_cache,
+                                       slot_mapping, num_heads):
+            return out
+    num_kv_heads, head_size = key_cache.shape[2], key_cache.shape[3]
+    # [num_rows, heads, head_size]; the rotation's cos, sin [num_rows, 1, head_size / 2]
+    qkv = F.linear(input, weight, bias).view(input.shape[0], -1, head_size)
+    qk = apply_rotary(qkv[None, :, : num_heads + num_kv_heads], cos[None, :, None], sin[None, :, None])[0]
+    k, v = qk[:, num_heads:], qkv[:, num_heads + num_kv_heads:]
+    reshape_and_cache(k, v, key_cache, value_cache, slot_mapping)
+    return torch.cat((qk, v), dim=1).flatten(1)
+
+
+@_decode_qkv_rope_cache_op.register_fake
+def _(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
+      sin: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+      num_heads: int) -> torch.Tensor:
+    return input.new_empty(input.shape[0], weight.shape[0])
+
+
+def decode_qkv_rope_cache(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                          cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,
+                          value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                          num_heads: int) -> torch.Tensor:
+    """A decode step's fused q, k, v projection, RoPE and cache write in one: ``qkv = F.linear(input,
+    weight, bias)``, its q and k heads rotated by :func:`apply_rotary`, its k and v heads written to the
+    caches at ``slot_mapping`` (as :func:`reshape_and_cache`), all in the decode kernel's epilogue where it
+    applies (two kernels fewer a layer).
+
+    Args:
+        input: ``[..., in_features]``, one row per token.
+        weight: ``[(num_heads + 2 * num_kv_heads) * head_size, in_features]``: q heads, then k, then v
+            (a ``QKVParallelLinear``'s, on any rank); bias its ``[out_features]`` or None.
+        cos, sin: ``[..., head_size / 2]`` (or with a singleton head dimension, ``[..., 1, head_size / 2]``),
+            the rotation of each row's position, input's dtype.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``, written in place.
+        slot_mapping: int64, one slot per row (negative: not written).
+        num_heads: q heads in ``weight``.
+
+    Returns:
+        ``[..., (num_heads + 2 * num_kv_heads) * head_size]``: q and k rotated, v as projected. The kernel
+        rounds the product to the dtype before rotating (as the product's output would be) and the rotation
+        once (as a compiled rotation does); it runs where :func:`decode_linear` would and ``head_size`` is a
+        multiple of 16, else the PyTorch expression above runs.
+    """
+    num_kv_heads, head_size = key_cache.shape[2], key_cache.shape[3]
+    features = (num_heads + 2 * num_kv_heads) * head_size
+    if weight.dim() != 2 or weight.shape[0] != features:
+        raise ValueError(f"decode_qkv_rope_cache: weight: expected [(num_heads + 2 * num_kv_heads) * "
+                         f"head_size = {features}, in_features] (num_heads {num_heads}, the cache's "
+                         f"num_kv_heads {num_kv_heads} and head_size {head_size}), got {tuple(weight.shape)}")
+    rows = input.reshape(-1, input.shape[-1])
+    num_rows = rows.shape[0]
+    cos, sin = cos.reshape(num_rows, head_size // 2), sin.reshape(num_rows, head_size // 2)
+    slot_mapping = slot_mapping.reshape(num_rows)
+    out = _decode_qkv_rope_cache_op(rows, weight, bias, cos, sin, key_cache, value_cache, slot_mapping,
+                                    num_heads)
+    return out.view(*input.shape[:-1], features)
+
+
+@register_flop_formula([torch.ops.tpkit.decode_linear, torch.ops.tpkit.decode_linear_silu_and_mul,
+                        torch.ops.tpkit.decode_qkv_rope_cache])
 def _decode_linear_flops(input_shape: torch.Size, weight_shape: torch.Size, *args: object,
                          **kwargs: object) -> int:
     # As torch counts F.linear's addmm: 2 * rows * out_features * in_features, the bias not counted.

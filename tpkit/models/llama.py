@@ -20,13 +20,15 @@ from tpkit.attention import (
     Attention,
     AttentionMetadata,
     PagedKVCache,
+    apply_rotary,
     decode_linear,
     decode_linear_silu_and_mul,
+    decode_qkv_rope_cache,
 )
 from tpkit.loaders import load_weights
 from tpkit.models.activations import get_activation
 from tpkit.models.generation import PagedDecoderOnlyLM, parse_eos_token_ids
-from tpkit.models.rope import RotaryEmbedding, apply_rotary, rope_parameters
+from tpkit.models.rope import RotaryEmbedding, rope_parameters
 from tpkit.parallel_layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -68,6 +70,16 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: PagedKVCache | None,
                 metadata: AttentionMetadata | None) -> torch.Tensor:
+        if self._rope_and_cache_in_product(kv_cache, metadata):
+            # A decode step with the model's decode products: qkv_proj's kernel rotates q and k and writes k
+            # and v into the cache itself (two kernels fewer a layer); attention reads them from there.
+            caches = kv_cache.key_caches[self.layer_idx], kv_cache.value_caches[self.layer_idx]
+            # [batch, 1, q_size + 2 * kv_size]
+            qkv = decode_qkv_rope_cache(x, self.qkv_proj.weight, self.qkv_proj.bias, cos, sin, *caches,
+                                        metadata.slot_mapping, self.num_heads)
+            out = self.attn(qkv[..., : self.q_size], None, None, kv_cache=kv_cache, layer_idx=self.layer_idx,
+                            metadata=metadata)
+            return self.o_proj(out)
         batch, seq = x.shape[:2]
         qkv = self.qkv_proj(x)  # [batch, seq, q_size + 2 * kv_size]
         # q and k heads side by side: one rotation for both.
@@ -77,6 +89,13 @@ class LlamaAttention(nn.Module):
         v = qkv[..., self.q_size + self.kv_size:]
         out = self.attn(q, k, v, kv_cache=kv_cache, layer_idx=self.layer_idx, metadata=metadata)
         return self.o_proj(out)
+
+
+    def _rope_and_cache_in_product(self, kv_cache: PagedKVCache | None,
+                                   metadata: AttentionMetadata | None) -> bool:
+        """A decode step, inference only, with the model's decode products (not F.linear or another op)."""
+        return (kv_cache is not None and metadata is not None and not metadata.is_prefill
+                and self.qkv_proj.linear_op is decode_linear and not torch.is_grad_enabled())
 
 
 class LlamaMLP(nn.Module):

@@ -59,7 +59,8 @@ class RotaryEmbedding(nn.Module):
     """cos/sin for every position up to ``max_position``, computed once; ``forward`` only gathers rows.
 
     The table is float32 and half the head wide (the two halves of a head share frequencies). A step looks
-    its positions up once (:meth:`cos_sin`) and every layer reuses the result in :func:`apply_rotary`.
+    its positions up once (:meth:`cos_sin`) and every layer reuses the result in
+    :func:`tpkit.attention.apply_rotary`.
     """
 
     def __init__(self, head_size: int, max_position: int, params: Mapping[str, Any], *,
@@ -79,12 +80,3 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos_cache[positions].to(dtype).unsqueeze(2)
         sin = self.sin_cache[positions].to(dtype).unsqueeze(2)
         return cos, sin
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[batch, seq, heads, head_size]`` by cos, sin ``[batch, seq, 1, head_size // 2]``.
-
-    The NeoX / HuggingFace layout: the first half of a head pairs with the second half.
-    """
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

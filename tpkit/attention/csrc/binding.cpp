@@ -196,6 +196,23 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   if (!o.is_same(out)) out.copy_(o);
 }
 
+// The caches' pointers, block geometry and strides, and the slots (contiguous int64), into either kernel's
+// arguments (the cache write's or the decode linear kernel's, which name them alike).
+template <typename Args>
+void fill_cache_args(Args& a, at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+  a.key_cache = key_cache.data_ptr();
+  a.value_cache = value_cache.data_ptr();
+  a.slot_mapping = slot_mapping.data_ptr<int64_t>();
+  a.block_size = static_cast<int>(key_cache.size(1));
+  a.num_blocks = key_cache.size(0);
+  a.kc_stride_block = key_cache.stride(0);
+  a.kc_stride_token = key_cache.stride(1);
+  a.kc_stride_head = key_cache.stride(2);
+  a.vc_stride_block = value_cache.stride(0);
+  a.vc_stride_token = value_cache.stride(1);
+  a.vc_stride_head = value_cache.stride(2);
+}
+
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache, at::Tensor value_cache,
                        const at::Tensor& slot_mapping) {
   TPKIT_CHECK_VALUE(key.is_cuda(), "reshape_and_cache (CUDA): key: expected a CUDA tensor, got ", key.device());
@@ -234,34 +251,24 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   tpkit_reshape_and_cache_args a{};
   a.key = k.data_ptr();
   a.value = v.data_ptr();
-  a.key_cache = key_cache.data_ptr();
-  a.value_cache = value_cache.data_ptr();
-  a.slot_mapping = slots.data_ptr<int64_t>();
+  fill_cache_args(a, key_cache, value_cache, slots);
   a.num_tokens = static_cast<int>(k.size(0));
   a.num_kv_heads = static_cast<int>(k.size(1));
   a.head_size = static_cast<int>(k.size(2));
-  a.block_size = static_cast<int>(key_cache.size(1));
-  a.num_blocks = key_cache.size(0);
   a.elem_size = static_cast<int>(k.element_size());
   a.key_stride_token = k.stride(0);
   a.key_stride_head = k.stride(1);
   a.value_stride_token = v.stride(0);
   a.value_stride_head = v.stride(1);
-  a.kc_stride_block = key_cache.stride(0);
-  a.kc_stride_token = key_cache.stride(1);
-  a.kc_stride_head = key_cache.stride(2);
-  a.vc_stride_block = value_cache.stride(0);
-  a.vc_stride_token = value_cache.stride(1);
-  a.vc_stride_head = value_cache.stride(2);
   check_launch(tpkit_reshape_and_cache_launch(&a, c10::cuda::getCurrentCUDAStream()), "reshape_and_cache");
 }
 
-// out = input @ weight^T (+ bias) with the decode linear kernel; false (nothing launched) where the kernel
-// does not take these tensors (dtype, row count, sizes or alignment; decode_linear.h), for the caller to
-// fall back. input [num_rows, in_features], weight [out_features, in_features], out [num_rows, out_features];
-// with silu_and_mul, out [num_rows, out_features / 2] = silu(gate) * up of the product's two halves.
-bool decode_linear(at::Tensor out, const at::Tensor& input, const at::Tensor& weight,
-                   const std::optional<at::Tensor>& bias, int64_t splits, bool silu_and_mul) {
+// Checks the product's tensors and fills its arguments; false where the kernel does not take them (dtype, row
+// count, sizes or alignment; decode_linear.h). input [num_rows, in_features], weight [out_features,
+// in_features], out [num_rows, out_features] (with silu_and_mul, [num_rows, out_features / 2]).
+bool fill_decode_linear_args(tpkit_decode_linear_args& a, at::Tensor& out, const at::Tensor& input,
+                             const at::Tensor& weight, const std::optional<at::Tensor>& bias, int64_t splits,
+                             bool silu_and_mul) {
   TPKIT_CHECK_VALUE(input.is_cuda(), "decode_linear (CUDA): input: expected a CUDA tensor, got ", input.device());
   check_cuda("decode_linear", weight, "weight", input.device());
   check_cuda("decode_linear", out, "out", input.device());
@@ -289,7 +296,6 @@ bool decode_linear(at::Tensor out, const at::Tensor& input, const at::Tensor& we
       !weight.is_contiguous() || (bias.has_value() && !bias->is_contiguous())) {
     return false;
   }
-  tpkit_decode_linear_args a{};
   a.out = out.data_ptr();
   a.input = input.data_ptr();
   a.weight = weight.data_ptr();
@@ -302,10 +308,75 @@ bool decode_linear(at::Tensor out, const at::Tensor& input, const at::Tensor& we
   a.out_stride = out.stride(0);
   a.splits = static_cast<int>(splits);
   a.silu_and_mul = silu_and_mul ? 1 : 0;
+  return true;
+}
+
+bool launch_decode_linear(const tpkit_decode_linear_args& a, const at::Tensor& input) {
   if (!tpkit_decode_linear_supported(&a)) return false;
   const c10::cuda::CUDAGuard guard(input.device());
   check_launch(tpkit_decode_linear_launch(&a, c10::cuda::getCurrentCUDAStream()), "decode_linear");
   return true;
+}
+
+// out = input @ weight^T (+ bias) with the decode linear kernel; false (nothing launched) where the kernel
+// does not take these tensors, for the caller to fall back. With silu_and_mul, out [num_rows,
+// out_features / 2] = silu(gate) * up of the product's two halves.
+bool decode_linear(at::Tensor out, const at::Tensor& input, const at::Tensor& weight,
+                   const std::optional<at::Tensor>& bias, int64_t splits, bool silu_and_mul) {
+  tpkit_decode_linear_args a{};
+  return fill_decode_linear_args(a, out, input, weight, bias, splits, silu_and_mul) && launch_decode_linear(a, input);
+}
+
+// A decode step's fused q, k, v projection (out [num_rows, (num_heads + 2 * num_kv_heads) * head_size]) with
+// RoPE on its q and k heads (cos, sin [num_rows, head_size / 2]) and its k and v heads also written to row
+// m's slot (slot_mapping[m]) of the caches [num_blocks, block_size, num_kv_heads, head_size]; false where the
+// kernel does not take these tensors.
+bool decode_qkv_rope_cache(at::Tensor out, const at::Tensor& input, const at::Tensor& weight,
+                           const std::optional<at::Tensor>& bias, const at::Tensor& cos, const at::Tensor& sin,
+                           at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& slot_mapping,
+                           int64_t num_heads) {
+  tpkit_decode_linear_args a{};
+  if (!fill_decode_linear_args(a, out, input, weight, bias, 0, false)) return false;
+  const at::Device device = input.device();
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{cos, "cos"}, {sin, "sin"},
+                                {key_cache, "key_cache"}, {value_cache, "value_cache"},
+                                {slot_mapping, "slot_mapping"}}) {
+    check_cuda("decode_qkv_rope_cache", t, name, device);
+  }
+  TPKIT_CHECK_VALUE(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes() &&
+                        key_cache.scalar_type() == input.scalar_type() &&
+                        value_cache.scalar_type() == input.scalar_type(),
+                    "decode_qkv_rope_cache (CUDA): caches: expected two ", input.scalar_type(),
+                    " [num_blocks, block_size, num_kv_heads, head_size], got ", key_cache.scalar_type(), " ",
+                    key_cache.sizes(), " and ", value_cache.scalar_type(), " ", value_cache.sizes());
+  const int64_t num_kv_heads = key_cache.size(2), head_size = key_cache.size(3);
+  const int64_t features = (num_heads + 2 * num_kv_heads) * head_size;
+  TPKIT_CHECK_VALUE(num_heads > 0 && weight.size(0) == features,
+                    "decode_qkv_rope_cache (CUDA): weight: expected [(num_heads + 2 * num_kv_heads) * head_size = ",
+                    features, ", in_features] (num_heads ", num_heads, ", num_kv_heads and head_size of the cache), "
+                    "got ", weight.sizes());
+  const int64_t num_rows = input.size(0);
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{cos, "cos"}, {sin, "sin"}}) {
+    TPKIT_CHECK_VALUE(t.dim() == 2 && t.size(0) == num_rows && t.size(1) == head_size / 2 &&
+                          t.scalar_type() == input.scalar_type(),
+                      "decode_qkv_rope_cache (CUDA): ", name, ": expected ", input.scalar_type(), " [", num_rows, ", ",
+                      head_size / 2, "], got ", t.scalar_type(), " ", t.sizes());
+  }
+  TPKIT_CHECK_VALUE(slot_mapping.dim() == 1 && slot_mapping.size(0) == num_rows &&
+                        slot_mapping.scalar_type() == at::kLong,
+                    "decode_qkv_rope_cache (CUDA): slot_mapping: expected int64 [", num_rows, "], got ",
+                    slot_mapping.scalar_type(), " ", slot_mapping.sizes());
+  if (!cos.is_contiguous() || !sin.is_contiguous() || !slot_mapping.is_contiguous() || key_cache.stride(3) != 1 ||
+      value_cache.stride(3) != 1 || head_size > INT32_MAX || key_cache.size(1) > INT32_MAX) {
+    return false;
+  }
+  a.head_size = static_cast<int>(head_size);
+  a.q_features = static_cast<int>(num_heads * head_size);
+  a.rotary_features = static_cast<int>((num_heads + num_kv_heads) * head_size);
+  a.cos = cos.data_ptr();
+  a.sin = sin.data_ptr();
+  fill_cache_args(a, key_cache, value_cache, slot_mapping);
+  return launch_decode_linear(a, input);
 }
 
 bool tpkit_paged_attention_supported_int(int dtype_code, int64_t head_size, int64_t block_size) {
@@ -333,4 +404,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "out = input @ weight.T (+ bias) for up to 16 rows; False where the kernel does not take these tensors.",
         py::arg("out"), py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("splits"),
         py::arg("silu_and_mul") = false);
+  m.def("decode_qkv_rope_cache", &decode_qkv_rope_cache,
+        "The fused q, k, v product of up to 16 rows with RoPE on q and k and k, v written to the caches; False "
+        "where the kernel does not take these tensors.",
+        py::arg("out"), py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("cos"), py::arg("sin"),
+        py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"), py::arg("num_heads"));
 }

@@ -29,21 +29,24 @@ int planned_splits(const tpkit_decode_linear_args* a, int multiprocessors) {
   return splits;
 }
 
-template <typename T, int kSplits, bool kSiLUAndMul>
+template <typename T, int kSplits, tpkit::LinearEpilogue kEpilogue>
 cudaError_t launch_rows(const tpkit_decode_linear_args* a, cudaStream_t stream) {
   const int blocks = grid_blocks(a);
   const int threads = tpkit::kLinearRowGroups * kSplits * 32;
   if (a->num_rows > 8) {
-    tpkit::decode_linear_kernel<T, kSplits, true, kSiLUAndMul><<<blocks, threads, 0, stream>>>(*a);
+    tpkit::decode_linear_kernel<T, kSplits, true, kEpilogue><<<blocks, threads, 0, stream>>>(*a);
   } else {
-    tpkit::decode_linear_kernel<T, kSplits, false, kSiLUAndMul><<<blocks, threads, 0, stream>>>(*a);
+    tpkit::decode_linear_kernel<T, kSplits, false, kEpilogue><<<blocks, threads, 0, stream>>>(*a);
   }
   return cudaGetLastError();
 }
 
 template <typename T, int kSplits>
 cudaError_t launch_splits(const tpkit_decode_linear_args* a, cudaStream_t stream) {
-  return a->silu_and_mul ? launch_rows<T, kSplits, true>(a, stream) : launch_rows<T, kSplits, false>(a, stream);
+  using tpkit::LinearEpilogue;
+  if (a->silu_and_mul) return launch_rows<T, kSplits, LinearEpilogue::kSiLUAndMul>(a, stream);
+  if (a->rotary_features > 0) return launch_rows<T, kSplits, LinearEpilogue::kRotaryCache>(a, stream);
+  return launch_rows<T, kSplits, LinearEpilogue::kPlain>(a, stream);
 }
 
 template <typename T>
@@ -71,7 +74,14 @@ int tpkit_decode_linear_supported(const tpkit_decode_linear_args* a) {
   // 16-byte loads of every input and weight row (2-byte elements: strides in multiples of 8).
   const bool aligned = aligned16(a->input) && aligned16(a->weight) && a->input_stride % 8 == 0;
   const bool splits_ok = a->splits == 0 || a->splits == 1 || a->splits == 2 || a->splits == 4 || a->splits == 8;
-  return dtype_ok && shape_ok && aligned && splits_ok && a->out != nullptr ? 1 : 0;
+  const int hs = a->head_size;
+  const bool rotary_ok =
+      a->rotary_features == 0 ||
+      (!a->silu_and_mul && hs > 0 && hs % 16 == 0 && a->q_features % hs == 0 && a->rotary_features % hs == 0 &&
+       a->q_features <= a->rotary_features && a->rotary_features <= a->out_features && a->out_features % hs == 0 &&
+       a->cos != nullptr && a->sin != nullptr && a->key_cache != nullptr && a->value_cache != nullptr &&
+       a->slot_mapping != nullptr && a->block_size > 0);
+  return dtype_ok && shape_ok && aligned && splits_ok && rotary_ok && a->out != nullptr ? 1 : 0;
 }
 
 cudaError_t tpkit_decode_linear_launch(const tpkit_decode_linear_args* a, cudaStream_t stream) {

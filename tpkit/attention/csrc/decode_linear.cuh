@@ -38,23 +38,36 @@ __device__ __forceinline__ void multiply_step(float (&c)[4], const uint4* __rest
   mma_m16n8k16<kBF16>(c, a1, w.z, w.w);
 }
 
+// What a block does with its sums (decode_linear.h): store them, combine gate and up (SwiGLU), or rotate
+// q and k heads and write k and v to the cache as well.
+enum class LinearEpilogue { kPlain, kSiLUAndMul, kRotaryCache };
+
 // One block: kLinearRowGroups x kSplits warps; warp (group, split) multiplies 8 weight rows over the
 // split-th share of in_features with m16n8k16 products: the input as A (rows 0-7 and, with kUpperRows,
-// 8-15), the weight as B. The block's two groups take 16 consecutive weight rows; with kSiLUAndMul, the
-// gate's 8 rows and the up projection's same 8 features, which the epilogue combines.
-template <typename T, int kSplits, bool kUpperRows, bool kSiLUAndMul>
+// 8-15), the weight as B. The block's two groups take 16 weight rows: 16 consecutive features; with
+// kSiLUAndMul, the gate's 8 rows and the up projection's same 8 features; with kRotaryCache, in a q or k
+// head, 8 features and the 8 they rotate with (head_size / 2 on), so that the epilogue combines them.
+template <typename T, int kSplits, bool kUpperRows, LinearEpilogue kEpilogue>
 __global__ void __launch_bounds__(kLinearRowGroups * kSplits * 32,
                                   kLinearThreadsPerSM / (kLinearRowGroups * kSplits * 32))
     decode_linear_kernel(const tpkit_decode_linear_args a) {
-  static_assert(!kSiLUAndMul || kLinearRowGroups == 2, "a gate group and an up group");
+  static_assert(kLinearRowGroups == 2, "two groups: gate and up, or a rotation's two halves");
+  constexpr bool kSiLUAndMul = kEpilogue == LinearEpilogue::kSiLUAndMul;
+  constexpr bool kRotaryCache = kEpilogue == LinearEpilogue::kRotaryCache;
   using Traits = DTypeTraits<T>;
   __shared__ float partial[kLinearRowGroups][kSplits][16][8];  // [group][split][row m][feature n]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = warp / kSplits, split = warp % kSplits;
   const int r = lane / 4, t = lane % 4;  // a lane's row (of input and of weight) and its 16 bytes a step
-  // With kSiLUAndMul, the gate's features (as many as the up projection's) are a.out_features / 2.
-  const int n0 = kSiLUAndMul ? blockIdx.x * 8 + (group == 0 ? 0 : a.out_features / 2)
-                             : (blockIdx.x * kLinearRowGroups + group) * 8;
+  // The block's first feature of each group: with kSiLUAndMul, the gate's features (as many as the up
+  // projection's) are a.out_features / 2; with kRotaryCache, a q or k head takes head_size / 16 blocks.
+  const int half_head = kRotaryCache ? a.head_size / 2 : 0;
+  const bool rotates = kRotaryCache && blockIdx.x * 16 < a.rotary_features;
+  const int head_blocks = kRotaryCache ? a.head_size / 16 : 1;
+  const int rotary_n0 = kRotaryCache ? blockIdx.x / head_blocks * a.head_size + blockIdx.x % head_blocks * 8 : 0;
+  int n0 = (blockIdx.x * kLinearRowGroups + group) * 8;
+  if constexpr (kSiLUAndMul) n0 = blockIdx.x * 8 + (group == 0 ? 0 : a.out_features / 2);
+  if constexpr (kRotaryCache) n0 = rotates ? rotary_n0 + (group == 0 ? 0 : half_head) : n0;
   float c[4] = {0.f, 0.f, 0.f, 0.f};
   if (n0 < a.out_features) {
     const int steps = a.in_features / kLinearStep;
@@ -82,24 +95,57 @@ __global__ void __launch_bounds__(kLinearRowGroups * kSplits * 32,
   __syncthreads();
   T* out = static_cast<T*>(a.out);
   const T* bias = static_cast<const T*>(a.bias);
+  // Group g's feature j of row m: the sum of its splits and its bias, in float.
+  auto product = [&](int g, int m, int j, int n) {
+    float sum = 0.f;
+#pragma unroll
+    for (int s = 0; s < kSplits; ++s) sum += partial[g][s][m][j];
+    return bias != nullptr ? sum + Traits::to_float(bias[n]) : sum;
+  };
   if constexpr (kSiLUAndMul) {
     const int features = a.out_features / 2;
     for (int i = threadIdx.x; i < 16 * 8; i += blockDim.x) {
       const int m = i / 8, j = i % 8, n = blockIdx.x * 8 + j;
       if (m >= a.num_rows || n >= features) continue;
-      float gate = 0.f, up = 0.f;
-#pragma unroll
-      for (int s = 0; s < kSplits; ++s) {
-        gate += partial[0][s][m][j];
-        up += partial[1][s][m][j];
-      }
-      if (bias != nullptr) {
-        gate += Traits::to_float(bias[n]);
-        up += Traits::to_float(bias[features + n]);
-      }
-      gate = Traits::to_float(Traits::from_float(gate));
-      up = Traits::to_float(Traits::from_float(up));
+      // gate and up rounded to the dtype first, as the plain product's output would be.
+      const float gate = Traits::to_float(Traits::from_float(product(0, m, j, n)));
+      const float up = Traits::to_float(Traits::from_float(product(1, m, j, features + n)));
       out[m * a.out_stride + n] = Traits::from_float(gate / (1.f + __expf(-gate)) * up);
+    }
+    return;
+  }
+  if constexpr (kRotaryCache) {
+    for (int i = threadIdx.x; i < kLinearRowGroups * 16 * 8; i += blockDim.x) {
+      const int g = i / 128, m = i / 8 % 16, j = i % 8;
+      const int n = rotates ? rotary_n0 + j + (g == 0 ? 0 : half_head) : (blockIdx.x * kLinearRowGroups + g) * 8 + j;
+      if (m >= a.num_rows || n >= a.out_features) continue;
+      float value = product(g, m, j, n);
+      if (rotates) {
+        // x1 cos - x2 sin and x2 cos + x1 sin, from the product's halves rounded to the dtype.
+        const int partner_n = g == 0 ? n + half_head : n - half_head;
+        const float x = Traits::to_float(Traits::from_float(value));
+        const float partner = Traits::to_float(Traits::from_float(product(1 - g, m, j, partner_n)));
+        const int d = rotary_n0 % a.head_size + j;  // the pair's index in the head's first half
+        const float cos = Traits::to_float(static_cast<const T*>(a.cos)[m * half_head + d]);
+        const float sin = Traits::to_float(static_cast<const T*>(a.sin)[m * half_head + d]);
+        value = g == 0 ? x * cos - partner * sin : x * cos + partner * sin;
+      }
+      const T rounded = Traits::from_float(value);
+      out[m * a.out_stride + n] = rounded;
+      const int64_t slot = a.slot_mapping[m];
+      const int64_t block = slot / a.block_size;
+      if (n < a.q_features || slot < 0 || block >= a.num_blocks) continue;
+      const int64_t offset = slot - block * a.block_size;
+      const bool is_key = n < a.rotary_features;
+      const int kv_n = n - (is_key ? a.q_features : a.rotary_features);
+      const int head = kv_n / a.head_size, d = kv_n % a.head_size;
+      if (is_key) {
+        static_cast<T*>(a.key_cache)[block * a.kc_stride_block + offset * a.kc_stride_token +
+                                     head * a.kc_stride_head + d] = rounded;
+      } else {
+        static_cast<T*>(a.value_cache)[block * a.vc_stride_block + offset * a.vc_stride_token +
+                                       head * a.vc_stride_head + d] = rounded;
+      }
     }
     return;
   }

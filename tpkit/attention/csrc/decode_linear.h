@@ -28,13 +28,32 @@ typedef struct {
   // [num_rows, features] gets silu(gate) * up, each rounded to the dtype first as the plain product's
   // output would be, the product of the two rounded once (SwiGLU, as LlamaMLP computes it).
   int silu_and_mul;
+  // The rotation and the cache write of a decode step's fused q, k, v projection, when rotary_features > 0
+  // (not with silu_and_mul): out's features are q heads, then k heads, then v heads of head_size each; the
+  // first rotary_features (q and k) are rotated by RoPE in the NeoX / HuggingFace layout (feature i of a
+  // head pairs with i + head_size / 2: x1 cos - x2 sin, x2 cos + x1 sin, from the product rounded to the
+  // dtype), and the features from q_features on (k, then v) are also written to row m's cache slot.
+  int head_size;
+  int q_features;
+  int rotary_features;
+  const void* cos;  // [num_rows, head_size / 2], contiguous, the dtype
+  const void* sin;
+  void* key_cache;  // [num_blocks, block_size, num_kv_heads, head_size], last dim contiguous
+  void* value_cache;
+  const int64_t* slot_mapping;  // [num_rows]: block * block_size + offset; negative or past the cache: skipped
+  int block_size;
+  int64_t num_blocks;
+  int64_t kc_stride_block, kc_stride_token, kc_stride_head;
+  int64_t vc_stride_block, vc_stride_token, vc_stride_head;
 } tpkit_decode_linear_args;
 
 // The most rows one launch takes.
 #define TPKIT_DECODE_LINEAR_MAX_ROWS 16
 
 // 1 when the kernel takes these arguments: float16 or bfloat16, 1-16 rows, in_features a multiple of 32,
-// out_features of 8 (of 16 with silu_and_mul), input and weight rows 16-byte aligned, splits 0, 1, 2, 4 or 8.
+// out_features of 8 (of 16 with silu_and_mul), input and weight rows 16-byte aligned, splits 0, 1, 2, 4 or 8;
+// with the rotation, head_size a multiple of 16 and q_features, rotary_features and out_features multiples
+// of head_size.
 int tpkit_decode_linear_supported(const tpkit_decode_linear_args* args);
 
 // Launches the kernel on `stream` (cudaErrorInvalidValue where tpkit_decode_linear_supported says 0).
