@@ -1,5 +1,5 @@
-// The decode linear kernel: out[m, n] = sum_k input[m, k] weight[n, k] (+ bias[n]) for up to 16 rows m.
-// Torch-free.
+// The decode linear kernel: out[m, n] = sum_k input[m, k] weight[n, k] (+ bias[n]) for up to 16 rows m,
+// with SwiGLU, or RoPE and the KV-cache write, in its epilogue where asked. Torch-free.
 //
 // A decode step's product reads a whole weight matrix for a handful of rows, so it runs at the speed the
 // weight streams in; what a general GEMM adds on top (tiles staged in shared memory, a split-K reduction
