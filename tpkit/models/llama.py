@@ -90,7 +90,6 @@ class LlamaAttention(nn.Module):
         out = self.attn(q, k, v, kv_cache=kv_cache, layer_idx=self.layer_idx, metadata=metadata)
         return self.o_proj(out)
 
-
     def _rope_and_cache_in_product(self, kv_cache: PagedKVCache | None,
                                    metadata: AttentionMetadata | None) -> bool:
         """A decode step, inference only, with the model's decode products (not F.linear or another op)."""
