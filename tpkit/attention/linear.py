@@ -201,7 +201,8 @@ def decode_qkv_rope_cache(input: torch.Tensor, weight: torch.Tensor, bias: torch
         ``[..., (num_heads + 2 * num_kv_heads) * head_size]``: q and k rotated, v as projected. The kernel
         rounds the product to the dtype before rotating (as the product's output would be) and the rotation
         once (as a compiled rotation does); it runs where :func:`decode_linear` would and ``head_size`` is a
-        multiple of 16, else the PyTorch expression above runs.
+        multiple of 16, else the PyTorch expression above runs. An inference op: it has no backward (the
+        models call it only with gradients off).
     """
     num_kv_heads, head_size = key_cache.shape[2], key_cache.shape[3]
     features = (num_heads + 2 * num_kv_heads) * head_size
