@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -63,22 +64,29 @@ def _time_us(x: torch.Tensor, weights: list[torch.Tensor], blas: str) -> float:
         torch.backends.cuda.preferred_blas_library(previous)
 
 
+def _kernel_time_us(call: Callable[[torch.Tensor], bool], weights: list[torch.Tensor], what: str) -> float:
+    """``call(weight)`` (a ``_cuda`` kernel call, False where the kernel does not take the tensors) timed over
+    every weight copy; exits when the kernel does not take the first."""
+    if not call(weights[0]):
+        raise SystemExit(f"bench_decode_gemm.py: the decode linear kernel does not take {what} here")
+    return _graph_time_us([lambda w=w: call(w) for w in weights], REPLAYS)
+
+
 def _tpkit_time_us(x: torch.Tensor, weights: list[torch.Tensor], splits: int) -> float:
     """decode_linear's kernel with this split of in_features (0: the planned one, what the layers run)."""
     out = x.new_empty(x.shape[0], weights[0].shape[0])
-    if not _cuda.decode_linear(out, x, weights[0], None, splits):
-        raise SystemExit("bench_decode_gemm.py: the decode linear kernel is not available here")
-    calls = [lambda w=w: _cuda.decode_linear(out, x, w, None, splits) for w in weights]
-    return _graph_time_us(calls, REPLAYS)
+    return _kernel_time_us(lambda w: _cuda.decode_linear(out, x, w, None, splits), weights,
+                           f"these products (splits {splits})")
 
 
 def _swiglu_times_us(x: torch.Tensor, weights: list[torch.Tensor]) -> dict[str, float]:
     """gate_up_proj with SwiGLU: in the kernel's epilogue, and the plain kernel then a compiled SwiGLU."""
     features = weights[0].shape[0] // 2
     fused_out = x.new_empty(x.shape[0], features)
-    if not _cuda.decode_linear(fused_out, x, weights[0], None, 0, True):
-        raise SystemExit("bench_decode_gemm.py: the decode linear kernel does not take SwiGLU here")
-    gate, up = F.linear(x.float(), weights[0].float()).to(x.dtype).float().chunk(2, dim=-1)
+    fused_us = _kernel_time_us(lambda w: _cuda.decode_linear(fused_out, x, w, None, 0, True), weights,
+                               "SwiGLU")
+    # fused_out now holds the last copy's product.
+    gate, up = F.linear(x.float(), weights[-1].float()).to(x.dtype).float().chunk(2, dim=-1)
     torch.testing.assert_close(fused_out.float(), F.silu(gate) * up, atol=0.05, rtol=2e-2)
     swiglu = torch.compile(lambda t: F.silu(t[:, :features]) * t[:, features:], fullgraph=True)
     out = x.new_empty(x.shape[0], 2 * features)
@@ -88,10 +96,8 @@ def _swiglu_times_us(x: torch.Tensor, weights: list[torch.Tensor]) -> dict[str, 
         _cuda.decode_linear(out, x, w, None, 0)
         return swiglu(out)
 
-    fused = [lambda w=w: _cuda.decode_linear(fused_out, x, w, None, 0, True) for w in weights]
     unfused = [lambda w=w: plain_then_swiglu(w) for w in weights]
-    return {"tpkit_swiglu_fused_us": _graph_time_us(fused, REPLAYS),
-            "tpkit_then_swiglu_us": _graph_time_us(unfused, REPLAYS)}
+    return {"tpkit_swiglu_fused_us": fused_us, "tpkit_then_swiglu_us": _graph_time_us(unfused, REPLAYS)}
 
 
 def _rope_cache_time_us(x: torch.Tensor, weights: list[torch.Tensor], config: dict) -> float:
@@ -107,10 +113,8 @@ def _rope_cache_time_us(x: torch.Tensor, weights: list[torch.Tensor], config: di
     slots = torch.randperm(64 * 16, device="cuda")[:batch]
     out = x.new_empty(batch, weights[0].shape[0])
     args = (cos, sin, caches[0], caches[1], slots, num_heads)
-    if not _cuda.decode_qkv_rope_cache(out, x, weights[0], None, *args):
-        raise SystemExit("bench_decode_gemm.py: the decode kernel does not take RoPE and the cache here")
-    return _graph_time_us([lambda w=w: _cuda.decode_qkv_rope_cache(out, x, w, None, *args) for w in weights],
-                          REPLAYS)
+    return _kernel_time_us(lambda w: _cuda.decode_qkv_rope_cache(out, x, w, None, *args), weights,
+                           "RoPE and the cache write")
 
 
 def bench(batch: int, copy_bw_gbps: float, splits: list[int]) -> list[dict]:
