@@ -20,7 +20,11 @@ cuBLASLt; ``--splits`` also times the kernel at each split given (``tpkit_splits
 For gate_up_proj it also times SwiGLU (``silu(gate) * up``, what LlamaMLP computes next): in the kernel's
 epilogue (``decode_linear_silu_and_mul``, as the models run it) against the plain kernel followed by the
 compiled element-wise SwiGLU (how the compiled decode step ran it before). For qkv_proj it also times RoPE
-and the cache write in the kernel's epilogue (``decode_qkv_rope_cache``, as the models run a decode step).
+and the cache write in the kernel's epilogue (``decode_qkv_rope_cache``). And each product as the Llama
+models' decode step runs it at tp_size 1, with the RMSNorm between products split in halves: o_proj and
+down_proj adding the residual and starting the next norm (``decode_linear_residual_norm``), qkv_proj (with
+RoPE and the cache write) and gate_up_proj (with SwiGLU) scaling their rows by the norm (``rms_sums``);
+the JSON rows' ``tpkit_step_us``.
 """
 
 from __future__ import annotations
@@ -100,10 +104,12 @@ def _swiglu_times_us(x: torch.Tensor, weights: list[torch.Tensor]) -> dict[str, 
     return {"tpkit_swiglu_fused_us": fused_us, "tpkit_then_swiglu_us": _graph_time_us(unfused, REPLAYS)}
 
 
-def _rope_cache_time_us(x: torch.Tensor, weights: list[torch.Tensor], config: dict) -> float:
+def _rope_cache_time_us(x: torch.Tensor, weights: list[torch.Tensor], config: dict,
+                        rms_sums: torch.Tensor | None = None) -> float:
     """qkv_proj with RoPE on q and k and the cache write of k and v in the kernel's epilogue
-    (``decode_qkv_rope_cache``, as the Llama models run a decode step): the kernel that replaced the plain
-    product, the compiled rotation and ``reshape_and_cache``."""
+    (``decode_qkv_rope_cache``): the kernel that replaced the plain product, the compiled rotation and
+    ``reshape_and_cache``; with ``rms_sums``, also the input norm's row scale, as the Llama models run a
+    decode step."""
     num_heads, num_kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_size = config["hidden_size"] // num_heads
     batch = x.shape[0]
@@ -112,9 +118,38 @@ def _rope_cache_time_us(x: torch.Tensor, weights: list[torch.Tensor], config: di
     caches = torch.randn(2, 64, 16, num_kv_heads, head_size, device="cuda", dtype=x.dtype)
     slots = torch.randperm(64 * 16, device="cuda")[:batch]
     out = x.new_empty(batch, weights[0].shape[0])
-    args = (cos, sin, caches[0], caches[1], slots, num_heads)
+    args = (cos, sin, caches[0], caches[1], slots, num_heads, rms_sums, 1e-5)
     return _kernel_time_us(lambda w: _cuda.decode_qkv_rope_cache(out, x, w, None, *args), weights,
                            "RoPE and the cache write")
+
+
+def _rms_sums(x: torch.Tensor) -> torch.Tensor:
+    """float64 [batch]: the rows' sums of squares, as the product before a split RMSNorm leaves them."""
+    return x.float().square().sum(-1, dtype=torch.float64)
+
+
+def _step_time_us(name: str, x: torch.Tensor, weights: list[torch.Tensor]) -> float:
+    """The projection as the Llama models' decode step runs it at tp_size 1, the RMSNorm between products
+    split in halves: o_proj and down_proj add the residual and start the next norm, gate_up_proj (SwiGLU)
+    and qkv_proj (RoPE and the cache write) scale their rows by it."""
+    if name == "qkv_proj":
+        return _rope_cache_time_us(x, weights, LLAMA3_8B, _rms_sums(x))
+    if name == "gate_up_proj":
+        out = x.new_empty(x.shape[0], weights[0].shape[0] // 2)
+        sums = _rms_sums(x)
+
+        def swiglu_scaled(w: torch.Tensor) -> bool:
+            return _cuda.decode_linear(out, x, w, None, silu_and_mul=True, rms_sums=sums, eps=1e-5)
+
+        return _kernel_time_us(swiglu_scaled, weights, "SwiGLU and the norm's scale")
+    out = x.new_empty(x.shape[0], weights[0].shape[0])
+    residual, normed = torch.randn_like(out), torch.empty_like(out)
+    norm_weight = torch.ones(out.shape[1], device=x.device, dtype=x.dtype)
+    sums = torch.zeros(x.shape[0], device=x.device, dtype=torch.float64)
+    zero_sums = torch.zeros_like(sums)
+    return _kernel_time_us(lambda w: _cuda.decode_linear_residual_norm(out, normed, x, w, None, residual,
+                                                                       norm_weight, sums, zero_sums),
+                           weights, "the residual add and the norm's first half")
 
 
 def bench(batch: int, copy_bw_gbps: float, splits: list[int]) -> list[dict]:
@@ -142,6 +177,8 @@ def bench(batch: int, copy_bw_gbps: float, splits: list[int]) -> list[dict]:
             row.update(_swiglu_times_us(x, weights))
         if name == "qkv_proj":
             row["tpkit_rope_cache_us"] = _rope_cache_time_us(x, weights, LLAMA3_8B)
+        if name != "lm_head":
+            row["tpkit_step_us"] = _step_time_us(name, x, weights)
         row["GBps"] = weight_bytes / row["dram_us"] / 1e3
         row["pct_copy_bw"] = 100 * row["GBps"] / copy_bw_gbps
         rows.append(row)
@@ -171,9 +208,12 @@ def print_table(rows: list[dict], copy_bw_gbps: float) -> None:
             print(f"{r['projection']} with SwiGLU: {r['tpkit_swiglu_fused_us']:.1f} us in the kernel's "
                   f"epilogue, {r['tpkit_then_swiglu_us']:.1f} us as the plain kernel then a compiled SwiGLU")
     layer = [r for r in rows if r["projection"] != "lm_head"]
+    print("as the Llama models' decode step runs them (the RMSNorms split between the products): "
+          + ", ".join(f"{r['projection']} {r['tpkit_step_us']:.1f} us" for r in layer))
     print(f"a decoder layer's four: {sum(r['dram_us'] for r in layer):.1f} us (cuBLASLt), "
-          f"{sum(r['tpkit_us'] for r in layer):.1f} us (tpkit), against a floor of "
-          f"{sum(r['floor_us'] for r in layer):.1f} us")
+          f"{sum(r['tpkit_us'] for r in layer):.1f} us (tpkit), "
+          f"{sum(r['tpkit_step_us'] for r in layer):.1f} us (tpkit, as the decode step runs them), against "
+          f"a floor of {sum(r['floor_us'] for r in layer):.1f} us")
 
 
 def main() -> None:

@@ -16,6 +16,7 @@ from tpkit.attention import (
     _cuda,
     apply_rotary,
     decode_linear,
+    decode_linear_residual_norm,
     decode_linear_silu_and_mul,
     decode_qkv_rope_cache,
 )
@@ -337,6 +338,117 @@ def test_qkv_rope_cache_rejects_bad_arguments() -> None:
         _cuda.decode_qkv_rope_cache(out, **{**t, "cos": t["cos"][:, :16]}, num_heads=4)
     with pytest.raises(ValueError, match=r"slot_mapping: expected int64 \[4\]"):
         _cuda.decode_qkv_rope_cache(out, **{**t, "slot_mapping": t["slot_mapping"].int()}, num_heads=4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("num_rows", [1, 8, 9, 16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_residual_norm_matches_float32(dtype: torch.dtype, num_rows: int, bias: bool) -> None:
+    # The producer's half of a split RMSNorm: the residual add, x * norm_weight, the rows' sums of squares
+    # added to what sums held, zero_sums zeroed.
+    x, w, b = _operands(num_rows, 1040, 512, dtype, bias=bias)
+    g = torch.Generator().manual_seed(num_rows)
+    residual = torch.randn(num_rows, 1040, generator=g).to("cuda", dtype)
+    norm_weight = (torch.rand(1040, generator=g) + 0.5).to("cuda", dtype)
+    sums_before = torch.rand(num_rows, generator=g, dtype=torch.float64).cuda()
+    sums, zero_sums = sums_before.clone(), torch.randn(num_rows, device="cuda", dtype=torch.float64)
+    out = torch.full((num_rows, 1040), float("nan"), device="cuda", dtype=dtype)
+    normed = torch.full_like(out, float("nan"))
+    assert _cuda.decode_linear_residual_norm(out, normed, x, w, b, residual, norm_weight, sums, zero_sums)
+    # The product rounded to the dtype, the sum with the residual rounded once.
+    _assert_close(out, (_reference(x, w, b).to(dtype).float() + residual.float()), dtype)
+    assert torch.equal(normed, (out.float() * norm_weight.float()).to(dtype))
+    torch.testing.assert_close(sums, sums_before + out.double().square().sum(-1), rtol=1e-6, atol=1e-6)
+    assert torch.equal(zero_sums, torch.zeros_like(zero_sums))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("num_rows", [2, 9])
+def test_rms_sums_scale_the_products(dtype: torch.dtype, num_rows: int) -> None:
+    # The consumer's half: each row's product times rsqrt(rms_sums / in_features + eps), before the bias and
+    # the epilogue, in the plain, SwiGLU and RoPE + cache kernels.
+    eps = 1e-5
+    x, w, b = _operands(num_rows, 96, 256, dtype, bias=True)
+    rms_sums = torch.rand(num_rows, device="cuda", dtype=torch.float64) * 256 + 1
+    scale = torch.rsqrt(rms_sums.float() / 256 + eps)[:, None]  # [num_rows, 1]
+    out = torch.empty(num_rows, 96, device="cuda", dtype=dtype)
+    assert _cuda.decode_linear(out, x, w, b, rms_sums=rms_sums, eps=eps)
+    expected = _reference(x, w, None) * scale + b.float()
+    _assert_close(out, expected, dtype)
+    swiglu = torch.empty(num_rows, 48, device="cuda", dtype=dtype)
+    assert _cuda.decode_linear(swiglu, x, w, b, silu_and_mul=True, rms_sums=rms_sums, eps=eps)
+    gate, up = expected.to(dtype).float().chunk(2, dim=-1)
+    _assert_close(swiglu, F.silu(gate) * up, dtype)
+
+    t = _rope_cache_operands(num_rows, 4, 2, 64, dtype, bias=True)
+    plain = {k: v.clone() for k, v in t.items() if v is not None}
+    qkv = torch.empty(num_rows, t["weight"].shape[0], device="cuda", dtype=dtype)
+    assert _cuda.decode_qkv_rope_cache(qkv, **t, num_heads=4, rms_sums=rms_sums, eps=eps)
+    # The same step on the input rows scaled beforehand (in float32, then rounded once).
+    plain["input"] = (plain["input"].float() * scale).to(dtype)
+    expected_qkv = torch.empty_like(qkv)
+    assert _cuda.decode_qkv_rope_cache(expected_qkv, **plain, num_heads=4)
+    _assert_close(qkv, expected_qkv.float(), dtype)
+    _assert_close(t["key_cache"], plain["key_cache"].float(), dtype)
+    _assert_close(t["value_cache"], plain["value_cache"].float(), dtype)
+
+
+def test_residual_norm_rejects_bad_arguments() -> None:
+    x, w, b = _operands(4, 64, 128, torch.bfloat16, bias=False)
+    residual, norm_weight = torch.randn_like(x[:, :64]), torch.ones(64, device="cuda", dtype=torch.bfloat16)
+    sums = torch.zeros(4, device="cuda", dtype=torch.float64)
+    zero_sums = torch.zeros_like(sums)
+    out, normed = torch.empty_like(residual), torch.empty_like(residual)
+    with pytest.raises(ValueError, match=r"residual: expected BFloat16 \[4, 64\], got BFloat16 \[4, 32\]"):
+        _cuda.decode_linear_residual_norm(out, normed, x, w, b, residual[:, :32], norm_weight, sums,
+                                          zero_sums)
+    with pytest.raises(ValueError, match=r"sums: expected float64 \[4\], got BFloat16 \[4\]"):
+        _cuda.decode_linear_residual_norm(out, normed, x, w, b, residual, norm_weight, sums.bfloat16(),
+                                          zero_sums)
+    with pytest.raises(ValueError, match="zero_sums: expected another buffer than sums"):
+        _cuda.decode_linear_residual_norm(out, normed, x, w, b, residual, norm_weight, sums, sums)
+    with pytest.raises(ValueError, match=r"rms_sums: expected float64 \[4\], got Double \[3\]"):
+        _cuda.decode_linear(out, x, w, b, rms_sums=sums[:3], eps=1e-5)
+    with pytest.raises(ValueError, match=r"decode_linear_residual_norm: norm_weight: expected \(64,\)"):
+        decode_linear_residual_norm(x, w, b, residual, norm_weight[:32], sums, zero_sums)
+
+
+@torch.inference_mode()
+def test_llama_decode_steps_with_the_norms_in_the_products() -> None:
+    # Three layers' decode steps with each RMSNorm split between the products around it (the sums' two
+    # buffers taking turns through the layers): replayed from a CUDA graph of the compiled step, the greedy
+    # tokens of the eager steps; one step's logits and caches against the step with F.linear products and
+    # the norms as modules.
+    config = {"hidden_size": 1024, "intermediate_size": 3584, "num_hidden_layers": 3,
+              "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 256,
+              "max_position_embeddings": 64}
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config, dtype=torch.bfloat16, device="cuda", tp_group=TPGroup(None, 0, 1))
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.uniform_(0.5, 1.5)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 256, (n,), generator=generator).tolist() for n in (5, 17, 33, 8)]
+    fused = model.generate(prompts, 6, ignore_eos=True)
+    graphed = model.generate(prompts, 6, ignore_eos=True, cuda_graph=True, compile=True)
+    assert graphed == fused
+    # Reproducible: the sums of squares do not depend on the order the kernels' blocks add them in.
+    assert model.generate(prompts, 6, ignore_eos=True, cuda_graph=True, compile=True) == graphed
+    caches = model._reserve_kv_caches(model._plan_kv_cache([len(p) for p in prompts], 2))
+    tokens = model._prefill(prompts, caches).argmax(-1)
+    metadata = model._decode_metadata(caches, [0, 1, 2, 3])
+    x = model.embed_tokens(tokens[:, None])
+    before = [t.clone() for t in _cache_tensors(caches)]
+    assert model._norms_in_products(x, caches["self"], metadata["self"])
+    step = model._decode_step(tokens[:, None], metadata, caches).float()
+    split_caches = [t.clone() for t in _cache_tensors(caches)]
+    for t, saved in zip(_cache_tensors(caches), before, strict=True):
+        t.copy_(saved)
+    set_linear_op(model, F.linear)
+    assert not model._norms_in_products(x, caches["self"], metadata["self"])
+    _assert_close(step, model._decode_step(tokens[:, None], metadata, caches).float(), torch.bfloat16)
+    for t, got in zip(_cache_tensors(caches), split_caches, strict=True):
+        _assert_close(got, t.float(), torch.bfloat16)
 
 
 @torch.inference_mode()

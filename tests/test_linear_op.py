@@ -9,7 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from tpkit.attention import apply_rotary, decode_linear, decode_linear_silu_and_mul, decode_qkv_rope_cache
+from tpkit.attention import (
+    apply_rotary,
+    decode_linear,
+    decode_linear_residual_norm,
+    decode_linear_silu_and_mul,
+    decode_qkv_rope_cache,
+)
 from tpkit.models import LlamaForCausalLM
 from tpkit.parallel_layers import (
     ColumnParallelLinear,
@@ -143,16 +149,22 @@ def test_llama_mlp_with_and_without_swiglu_in_the_product() -> None:
     torch.testing.assert_close(mlp(x), expected)
 
 
+def _check_registration(op: torch._ops.OpOverloadPacket, args: tuple, flops: int) -> None:
+    """The custom op passes torch.library's checks (schema, fake implementation, mutations) and counts the
+    FLOPs of its product."""
+    torch.library.opcheck(op.default, args)
+    with FlopCounterMode(display=False) as counter:
+        op(*args)
+    assert counter.get_total_flops() == flops
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_decode_linear_silu_and_mul_on_cpu(bias: bool) -> None:
     x, w = torch.randn(3, 5, 64), torch.randn(48, 64)
     b = torch.randn(48) if bias else None
     gate, up = F.linear(x, w, b).chunk(2, dim=-1)
     assert torch.equal(decode_linear_silu_and_mul(x, w, b), F.silu(gate) * up)
-    torch.library.opcheck(torch.ops.tpkit.decode_linear_silu_and_mul.default, (x.view(15, 64), w, b))
-    with FlopCounterMode(display=False) as counter:
-        torch.ops.tpkit.decode_linear_silu_and_mul(x.view(15, 64), w, b)
-    assert counter.get_total_flops() == 2 * 15 * 48 * 64
+    _check_registration(torch.ops.tpkit.decode_linear_silu_and_mul, (x.view(15, 64), w, b), 2 * 15 * 48 * 64)
     with pytest.raises(ValueError, match=r"weight: expected \[2 \* features, in_features\] \(gate rows, then "
                                          r"up rows\), got \(47, 64\)"):
         decode_linear_silu_and_mul(x, w[:47], None)
@@ -178,10 +190,94 @@ def test_decode_qkv_rope_cache_on_cpu() -> None:
     assert torch.equal(key_cache, key_before) and torch.equal(value_cache, value_before)
     args = (x.view(3, 64), w, b, cos.view(3, -1), sin.view(3, -1), key_cache, value_cache, slot_mapping,
             num_heads)
-    torch.library.opcheck(torch.ops.tpkit.decode_qkv_rope_cache.default, args)
-    with FlopCounterMode(display=False) as counter:
-        torch.ops.tpkit.decode_qkv_rope_cache(*args)
-    assert counter.get_total_flops() == 2 * 3 * 128 * 64
+    _check_registration(torch.ops.tpkit.decode_qkv_rope_cache, args, 2 * 3 * 128 * 64)
     with pytest.raises(ValueError, match=r"decode_qkv_rope_cache: weight: expected \[\(num_heads \+ 2 \* "
                                          r"num_kv_heads\) \* head_size = 144, in_features\]"):
         decode_qkv_rope_cache(x, w, b, cos, sin, key_cache, value_cache, slot_mapping, 5)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_decode_linear_residual_norm_on_cpu(bias: bool) -> None:
+    # The op's PyTorch path: the residual add, the norm weight and the rows' sums of squares.
+    torch.manual_seed(0)
+    x, w, residual = torch.randn(3, 1, 64), torch.randn(48, 64), torch.randn(3, 1, 48)
+    b = torch.randn(48) if bias else None
+    norm_weight = torch.randn(48)
+    sums, zero_sums = torch.rand(3, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+    sums_before = sums.clone()
+    out, normed = decode_linear_residual_norm(x, w, b, residual, norm_weight, sums, zero_sums)
+    expected = residual + F.linear(x, w, b)
+    assert torch.equal(out, expected) and torch.equal(normed, expected * norm_weight)
+    torch.testing.assert_close(sums, sums_before + expected.square().sum(-1, dtype=torch.float64).flatten())
+    assert torch.equal(zero_sums, torch.zeros(3, dtype=torch.float64))
+    args = (x.view(3, 64), w, b, residual.view(3, 48), norm_weight, sums, zero_sums)
+    _check_registration(torch.ops.tpkit.decode_linear_residual_norm, args, 2 * 3 * 48 * 64)
+    with pytest.raises(ValueError, match=r"residual: expected \(3, 1, 48\) \(input's rows, weight's "
+                                         r"out_features\), got \(3, 48\)"):
+        decode_linear_residual_norm(x, w, b, residual.view(3, 48), norm_weight, sums, zero_sums)
+    with pytest.raises(ValueError, match=r"sums: expected float64 \[3\] \(one sum a row of input\), got "
+                                         r"torch.float32 \(3,\)"):
+        decode_linear_residual_norm(x, w, b, residual, norm_weight, sums.float(), zero_sums)
+    with pytest.raises(ValueError, match="zero_sums: expected another buffer than sums"):
+        decode_linear_residual_norm(x, w, b, residual, norm_weight, sums, sums)
+
+
+def test_rms_norm_split_between_two_products_on_cpu() -> None:
+    # The consumer's half: from x * norm_weight and the rows' sums of x ** 2, the products of rms_norm(x).
+    torch.manual_seed(0)
+    num_heads, num_kv_heads, head_size, eps = 4, 2, 16, 1e-5
+    x, norm_weight = torch.randn(3, 1, 64), torch.randn(64)
+    normed, sums = x * norm_weight, x.square().sum(-1, dtype=torch.float64).flatten()
+    reference = F.rms_norm(x, (64,), norm_weight, eps)
+    w, b = torch.randn(48, 64), torch.randn(48)
+    torch.testing.assert_close(decode_linear_silu_and_mul(normed, w, b, sums, eps),
+                               decode_linear_silu_and_mul(reference, w, b))
+    args = (normed.view(3, 64), w, b, sums, eps)
+    torch.library.opcheck(torch.ops.tpkit.decode_linear_silu_and_mul.default, args)
+
+    features = (num_heads + 2 * num_kv_heads) * head_size
+    w, b = torch.randn(features, 64), torch.randn(features)
+    angles = torch.rand(3, 1, 1, head_size // 2) * 6
+    rotation = angles.cos(), angles.sin()
+    caches = [torch.zeros(2, 4, 8, num_kv_heads, head_size).unbind(0) for _ in range(2)]
+    slot_mapping = torch.tensor([5, -1, 30])
+    split = decode_qkv_rope_cache(normed, w, b, *rotation, *caches[0], slot_mapping, num_heads, sums, eps)
+    whole = decode_qkv_rope_cache(reference, w, b, *rotation, *caches[1], slot_mapping, num_heads)
+    torch.testing.assert_close(split, whole)
+    torch.testing.assert_close(caches[0], caches[1])
+    with pytest.raises(ValueError, match=r"decode_linear_silu_and_mul: rms_sums: expected float64 \[3\] "
+                                         r"\(one sum a row of input\), got torch.float64 \(2,\)"):
+        decode_linear_silu_and_mul(normed, torch.randn(48, 64), None, sums[:2], eps)
+
+
+def _cache_tensors(caches: dict) -> list[torch.Tensor]:
+    return [t for cache in caches.values() for t in (*cache.key_caches, *cache.value_caches)]
+
+
+def test_llama_decode_step_with_the_norms_in_the_products_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The model's decode step with each RMSNorm split between the products around it (the ops' PyTorch paths,
+    # forced on the CPU), against the step with the norms as modules: logits and the caches written.
+    config = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 64,
+              "rms_norm_eps": 1e-5}
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config, tp_group=SINGLE)
+    for name, param in model.named_parameters():
+        if name.endswith("layernorm.weight") or name == "norm.weight":
+            param.data.uniform_(0.5, 1.5)  # not ones: the norm weights must land where they belong
+    prompts = [torch.randint(0, 128, (n,)).tolist() for n in (5, 9, 2)]
+    caches = model._reserve_kv_caches(model._plan_kv_cache([len(p) for p in prompts], 2))
+    calls = []
+    with torch.no_grad():
+        tokens = model._prefill(prompts, caches).argmax(-1)
+        metadata = model._decode_metadata(caches, [0, 1, 2])
+        before = [t.clone() for t in _cache_tensors(caches)]
+        plain = model._decode_step(tokens[:, None], metadata, caches)
+        after_plain = [t.clone() for t in _cache_tensors(caches)]
+        for t, saved in zip(_cache_tensors(caches), before, strict=True):
+            t.copy_(saved)
+        monkeypatch.setattr("tpkit.models.llama.decode_kernel_applies", lambda *a: calls.append(a) or True)
+        split = model._decode_step(tokens[:, None], metadata, caches)
+    assert calls, "the split-norm path was not taken"
+    torch.testing.assert_close(split, plain, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(_cache_tensors(caches), after_plain, rtol=1e-5, atol=1e-5)

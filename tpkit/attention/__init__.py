@@ -9,7 +9,13 @@ for the CPU and a CUDA kernel for NVIDIA GPUs. Caches are
 
 from tpkit.attention.kv_cache import AttentionMetadata, PagedKVCache
 from tpkit.attention.layer import Attention
-from tpkit.attention.linear import decode_linear, decode_linear_silu_and_mul, decode_qkv_rope_cache
+from tpkit.attention.linear import (
+    decode_kernel_applies,
+    decode_linear,
+    decode_linear_residual_norm,
+    decode_linear_silu_and_mul,
+    decode_qkv_rope_cache,
+)
 from tpkit.attention.ops import paged_attention, reshape_and_cache
 from tpkit.attention.rotary import apply_rotary
 
@@ -18,7 +24,9 @@ __all__ = [
     "AttentionMetadata",
     "PagedKVCache",
     "apply_rotary",
+    "decode_kernel_applies",
     "decode_linear",
+    "decode_linear_residual_norm",
     "decode_linear_silu_and_mul",
     "decode_qkv_rope_cache",
     "paged_attention",

@@ -219,6 +219,8 @@ def decode_linear(
     bias: torch.Tensor | None,
     splits: int = 0,
     silu_and_mul: bool = False,
+    rms_sums: torch.Tensor | None = None,
+    eps: float = 0.0,
 ) -> bool:
     """``out = input @ weight.T (+ bias)`` with the decode linear kernel; False where no kernel is available
     here or the kernel does not take these tensors (float16 or bfloat16, at most 16 rows, ``in_features`` a
@@ -227,11 +229,40 @@ def decode_linear(
     input ``[num_rows, in_features]``, weight ``[out_features, in_features]``, bias ``[out_features]`` or
     None, out ``[num_rows, out_features]``. ``splits``: warps that share a weight row (1, 2, 4 or 8; 0
     chooses from the shapes), for benchmarks. ``silu_and_mul``: the weight stacks a gate's rows over an up
-    projection's, and out ``[num_rows, out_features / 2]`` gets ``silu(gate) * up``. No host
-    synchronisation: safe in CUDA graphs.
+    projection's, and out ``[num_rows, out_features / 2]`` gets ``silu(gate) * up``. ``rms_sums`` (float64
+    ``[num_rows]``, or None): the second half of an RMSNorm split across two products, each row's product
+    multiplied by ``rsqrt(rms_sums[m] / in_features + eps)`` before the bias (see
+    :func:`decode_linear_residual_norm`). No host synchronisation: safe in CUDA graphs.
     """
     module = _module_for(input.device)
-    return module is not None and module.decode_linear(out, input, weight, bias, splits, silu_and_mul)
+    return module is not None and module.decode_linear(out, input, weight, bias, splits, silu_and_mul,
+                                                       rms_sums, eps)
+
+
+def decode_linear_residual_norm(
+    out: torch.Tensor,
+    normed: torch.Tensor,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    sums: torch.Tensor,
+    zero_sums: torch.Tensor | None,
+) -> bool:
+    """:func:`decode_linear` plus a residual and the first half of an RMSNorm of the result, in the kernel's
+    epilogue: ``out = residual + input @ weight.T (+ bias)`` (the product rounded to the dtype first),
+    ``normed = out * norm_weight``, ``sums[m] += (out[m].float() ** 2).sum()`` (in float64) and
+    ``zero_sums`` set to zero; False where no kernel is available here or the kernel does not take these
+    tensors.
+
+    out, residual, normed ``[num_rows, out_features]``; norm_weight ``[out_features]``; sums, zero_sums
+    float64 ``[num_rows]``, two buffers (zero_sums may be None). A consumer product with
+    ``rms_sums=sums`` then computes ``rms_norm(out) @ W.T`` without a norm kernel between the two.
+    """
+    module = _module_for(input.device)
+    return module is not None and module.decode_linear_residual_norm(out, normed, input, weight, bias,
+                                                                     residual, norm_weight, sums, zero_sums)
 
 
 def decode_qkv_rope_cache(
@@ -245,6 +276,8 @@ def decode_qkv_rope_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     num_heads: int,
+    rms_sums: torch.Tensor | None = None,
+    eps: float = 0.0,
 ) -> bool:
     """:func:`decode_linear` of a fused q, k, v projection with RoPE on its q and k heads and its k and v
     heads written to the caches, in the kernel's epilogue; False where no kernel is available here or the
@@ -252,8 +285,10 @@ def decode_qkv_rope_cache(
 
     out ``[num_rows, (num_heads + 2 * num_kv_heads) * head_size]``; cos, sin ``[num_rows, head_size / 2]``;
     caches ``[num_blocks, block_size, num_kv_heads, head_size]`` (written in place at ``slot_mapping``, int64
-    ``[num_rows]``; a negative slot or one past the cache is skipped).
+    ``[num_rows]``; a negative slot or one past the cache is skipped); ``rms_sums``, ``eps`` as in
+    :func:`decode_linear`.
     """
     module = _module_for(input.device)
     return module is not None and module.decode_qkv_rope_cache(out, input, weight, bias, cos, sin, key_cache,
-                                                               value_cache, slot_mapping, num_heads)
+                                                               value_cache, slot_mapping, num_heads, rms_sums,
+                                                               eps)

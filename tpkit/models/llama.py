@@ -5,6 +5,11 @@ RMSNorm -> MergedColumnParallelLinear (gate, up) -> SiLU(gate) * up -> RowParall
 GQA with any KV-head count the QKV layer accepts (KV heads replicated when ranks outnumber them), RoPE with
 the default, linear and llama3 schedules, q/k/v bias (Qwen2, or ``attention_bias``, which also biases
 o_proj), tied or untied embeddings.
+
+Where it can, a decode step on one GPU runs a layer as its four products and attention, five kernels:
+RoPE and the cache write in qkv_proj's epilogue, SwiGLU in gate_up_proj's, and each RMSNorm split between
+the product before it (which also adds the residual) and the one after it
+(``tpkit.attention.decode_linear_residual_norm``).
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ from tpkit.attention import (
     AttentionMetadata,
     PagedKVCache,
     apply_rotary,
+    decode_kernel_applies,
     decode_linear,
+    decode_linear_residual_norm,
     decode_linear_silu_and_mul,
     decode_qkv_rope_cache,
 )
@@ -71,15 +78,7 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: PagedKVCache | None,
                 metadata: AttentionMetadata | None) -> torch.Tensor:
         if self._rope_and_cache_in_product(kv_cache, metadata):
-            # A decode step with the model's decode products: qkv_proj's kernel rotates q and k and writes k
-            # and v into the cache itself (two kernels fewer a layer); attention reads them from there.
-            caches = kv_cache.key_caches[self.layer_idx], kv_cache.value_caches[self.layer_idx]
-            # [batch, 1, q_size + 2 * kv_size]
-            qkv = decode_qkv_rope_cache(x, self.qkv_proj.weight, self.qkv_proj.bias, cos, sin, *caches,
-                                        metadata.slot_mapping, self.num_heads)
-            out = self.attn(qkv[..., : self.q_size], None, None, kv_cache=kv_cache, layer_idx=self.layer_idx,
-                            metadata=metadata)
-            return self.o_proj(out)
+            return self.o_proj(self.decode_attention(x, cos, sin, kv_cache, metadata))
         batch, seq = x.shape[:2]
         qkv = self.qkv_proj(x)  # [batch, seq, q_size + 2 * kv_size]
         # q and k heads side by side: one rotation for both.
@@ -89,6 +88,20 @@ class LlamaAttention(nn.Module):
         v = qkv[..., self.q_size + self.kv_size:]
         out = self.attn(q, k, v, kv_cache=kv_cache, layer_idx=self.layer_idx, metadata=metadata)
         return self.o_proj(out)
+
+    def decode_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: PagedKVCache,
+                         metadata: AttentionMetadata, rms_sums: torch.Tensor | None = None,
+                         eps: float = 0.0) -> torch.Tensor:
+        """A decode step's attention before o_proj, [batch, 1, hidden] -> [batch, 1, q_size]: qkv_proj's
+        kernel rotates q and k and writes k and v into the cache itself (two kernels fewer a layer), and
+        attention reads them from there. With ``rms_sums``, ``x`` is the first half of the input norm and
+        the product does the second (``decode_qkv_rope_cache``)."""
+        caches = kv_cache.key_caches[self.layer_idx], kv_cache.value_caches[self.layer_idx]
+        # [batch, 1, q_size + 2 * kv_size]
+        qkv = decode_qkv_rope_cache(x, self.qkv_proj.weight, self.qkv_proj.bias, cos, sin, *caches,
+                                    metadata.slot_mapping, self.num_heads, rms_sums, eps)
+        return self.attn(qkv[..., : self.q_size], None, None, kv_cache=kv_cache, layer_idx=self.layer_idx,
+                         metadata=metadata)
 
     def _rope_and_cache_in_product(self, kv_cache: PagedKVCache | None,
                                    metadata: AttentionMetadata | None) -> bool:
@@ -130,6 +143,26 @@ class LlamaDecoderLayer(nn.Module):
                 metadata: AttentionMetadata | None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, metadata)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def decode_norms_in_products(self, x: torch.Tensor, normed: torch.Tensor, input_sums: torch.Tensor,
+                                 post_sums: torch.Tensor, next_norm_weight: torch.Tensor, cos: torch.Tensor,
+                                 sin: torch.Tensor, kv_cache: PagedKVCache,
+                                 metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` of a decode step on one rank, each RMSNorm split between the products around it.
+
+        x: the residual stream [batch, 1, hidden]; normed: ``x * input_layernorm.weight``; input_sums: the
+        rows' sums of ``x ** 2``, float64 [batch]; post_sums: zero, float64 [batch]. Returns the next layer's
+        ``(x, normed)``, normed by ``next_norm_weight``, with input_sums its sums and post_sums zero again.
+        """
+        o_proj, gate_up, down = self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj
+        post_norm = self.post_attention_layernorm
+        out = self.self_attn.decode_attention(normed, cos, sin, kv_cache, metadata, input_sums,
+                                              self.input_layernorm.eps)
+        x, normed = decode_linear_residual_norm(out, o_proj.weight, o_proj.bias, x, post_norm.weight,
+                                                post_sums, input_sums)
+        hidden = decode_linear_silu_and_mul(normed, gate_up.weight, gate_up.bias, post_sums, post_norm.eps)
+        return decode_linear_residual_norm(hidden, down.weight, down.bias, x, next_norm_weight, input_sums,
+                                           post_sums)
 
 
 class LlamaForCausalLM(PagedDecoderOnlyLM):
@@ -195,9 +228,39 @@ class LlamaForCausalLM(PagedDecoderOnlyLM):
                       metadata: AttentionMetadata | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [batch, seq, hidden]
         cos, sin = self.rotary_emb.cos_sin(positions, x.dtype)
+        if self._norms_in_products(x, kv_cache, metadata):
+            return self._decode_norms_in_products(x, cos, sin, kv_cache, metadata)
         for layer in self.layers:
             x = layer(x, cos, sin, kv_cache, metadata)
         return self.norm(x)
+
+    def _norms_in_products(self, x: torch.Tensor, kv_cache: PagedKVCache | None,
+                           metadata: AttentionMetadata | None) -> bool:
+        """A decode step on one rank (across ranks the residual add follows o_proj's and down_proj's
+        all-reduce) whose products all run tpkit's decode kernel, SwiGLU in gate_up_proj's."""
+        first = self.layers[0].self_attn
+        return (self.tp_group.size == 1 and first._rope_and_cache_in_product(kv_cache, metadata)
+                and decode_kernel_applies(x, first.qkv_proj.weight)
+                and all(layer.self_attn.qkv_proj.linear_op is decode_linear
+                        and layer.self_attn.o_proj.linear_op is decode_linear
+                        and layer.mlp.gate_up_proj.linear_op is decode_linear_silu_and_mul
+                        and layer.mlp.down_proj.linear_op is decode_linear for layer in self.layers))
+
+    def _decode_norms_in_products(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                                  kv_cache: PagedKVCache, metadata: AttentionMetadata) -> torch.Tensor:
+        """The decode step's layers with every RMSNorm split between the products around it: four kernels
+        a layer and attention, no norm kernels. [batch, 1, hidden] -> the final norm's output."""
+        # float64 [batch]: the rows' sums of squares of the residual stream, for the input norms and for the
+        # post-attention norms, two buffers that the products fill and zero in turn.
+        input_sums = x.float().square().sum(-1, dtype=torch.float64).flatten()
+        post_sums = torch.zeros_like(input_sums)
+        normed = x * self.layers[0].input_layernorm.weight
+        for i, layer in enumerate(self.layers):
+            next_norm = self.layers[i + 1].input_layernorm if i + 1 < self.num_layers else self.norm
+            x, normed = layer.decode_norms_in_products(x, normed, input_sums, post_sums, next_norm.weight,
+                                                       cos, sin, kv_cache, metadata)
+        scale = torch.rsqrt(input_sums.float() / x.shape[-1] + self.norm.eps).view(*x.shape[:-1], 1)
+        return (normed.float() * scale).to(x.dtype)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden_states)

@@ -11,6 +11,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "decode_linear.h"
 #include "paged_attention.h"
@@ -311,6 +312,23 @@ bool fill_decode_linear_args(tpkit_decode_linear_args& a, at::Tensor& out, const
   return true;
 }
 
+// A consumer's half of an RMSNorm split across two products (decode_linear.h): each row's product times
+// rsqrt(rms_sums[m] / in_features + eps). rms_sums: float64 [num_rows]; none leaves the product as it is.
+// False where the kernel does not take the tensor.
+bool fill_rms_scale(tpkit_decode_linear_args& a, const std::optional<at::Tensor>& rms_sums, double eps,
+                    const at::Device& device, const char* op) {
+  if (!rms_sums.has_value()) return true;
+  check_cuda(op, *rms_sums, "rms_sums", device);
+  TPKIT_CHECK_VALUE(rms_sums->dim() == 1 && rms_sums->size(0) == a.num_rows &&
+                        rms_sums->scalar_type() == at::kDouble,
+                    op, " (CUDA): rms_sums: expected float64 [", static_cast<int64_t>(a.num_rows), "], got ",
+                    rms_sums->scalar_type(), " ", rms_sums->sizes());
+  if (!rms_sums->is_contiguous()) return false;
+  a.rms_sums = rms_sums->data_ptr<double>();
+  a.eps = static_cast<float>(eps);
+  return true;
+}
+
 bool launch_decode_linear(const tpkit_decode_linear_args& a, const at::Tensor& input) {
   if (!tpkit_decode_linear_supported(&a)) return false;
   const c10::cuda::CUDAGuard guard(input.device());
@@ -320,11 +338,60 @@ bool launch_decode_linear(const tpkit_decode_linear_args& a, const at::Tensor& i
 
 // out = input @ weight^T (+ bias) with the decode linear kernel; false (nothing launched) where the kernel
 // does not take these tensors, for the caller to fall back. With silu_and_mul, out [num_rows,
-// out_features / 2] = silu(gate) * up of the product's two halves.
+// out_features / 2] = silu(gate) * up of the product's two halves. With rms_sums, each row's product is
+// scaled first (fill_rms_scale).
 bool decode_linear(at::Tensor out, const at::Tensor& input, const at::Tensor& weight,
-                   const std::optional<at::Tensor>& bias, int64_t splits, bool silu_and_mul) {
+                   const std::optional<at::Tensor>& bias, int64_t splits, bool silu_and_mul,
+                   const std::optional<at::Tensor>& rms_sums, double eps) {
   tpkit_decode_linear_args a{};
-  return fill_decode_linear_args(a, out, input, weight, bias, splits, silu_and_mul) && launch_decode_linear(a, input);
+  return fill_decode_linear_args(a, out, input, weight, bias, splits, silu_and_mul) &&
+         fill_rms_scale(a, rms_sums, eps, input.device(), "decode_linear") && launch_decode_linear(a, input);
+}
+
+// The producer's half of an RMSNorm split across two products (decode_linear.h): out = residual + input @
+// weight^T (+ bias), normed = out * norm_weight, sums[m] += the sum of out[m]^2 (sums zero before), zero_sums
+// set to zero; false where the kernel does not take these tensors. out, residual, normed [num_rows,
+// out_features]; norm_weight [out_features]; sums, zero_sums float64 [num_rows], two buffers.
+bool decode_linear_residual_norm(at::Tensor out, at::Tensor normed, const at::Tensor& input, const at::Tensor& weight,
+                                 const std::optional<at::Tensor>& bias, const at::Tensor& residual,
+                                 const at::Tensor& norm_weight, at::Tensor sums,
+                                 const std::optional<at::Tensor>& zero_sums) {
+  tpkit_decode_linear_args a{};
+  if (!fill_decode_linear_args(a, out, input, weight, bias, 0, false)) return false;
+  const char* op = "decode_linear_residual_norm";
+  const at::Device device = input.device();
+  const int64_t num_rows = input.size(0), features = weight.size(0);
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{residual, "residual"}, {normed, "normed"}}) {
+    check_cuda(op, t, name, device);
+    TPKIT_CHECK_VALUE(t.dim() == 2 && t.size(0) == num_rows && t.size(1) == features &&
+                          t.scalar_type() == input.scalar_type(),
+                      op, " (CUDA): ", name, ": expected ", input.scalar_type(), " [", num_rows, ", ", features,
+                      "], got ", t.scalar_type(), " ", t.sizes());
+  }
+  check_cuda(op, norm_weight, "norm_weight", device);
+  TPKIT_CHECK_VALUE(norm_weight.dim() == 1 && norm_weight.size(0) == features &&
+                        norm_weight.scalar_type() == input.scalar_type(),
+                    op, " (CUDA): norm_weight: expected ", input.scalar_type(), " [", features, "], got ",
+                    norm_weight.scalar_type(), " ", norm_weight.sizes());
+  std::vector<std::pair<const at::Tensor*, const char*>> buffers{{&sums, "sums"}};
+  if (zero_sums.has_value()) buffers.emplace_back(&*zero_sums, "zero_sums");
+  for (const auto& [t, name] : buffers) {
+    check_cuda(op, *t, name, device);
+    TPKIT_CHECK_VALUE(t->dim() == 1 && t->size(0) == num_rows && t->scalar_type() == at::kDouble, op, " (CUDA): ",
+                      name, ": expected float64 [", num_rows, "], got ", t->scalar_type(), " ", t->sizes());
+  }
+  TPKIT_CHECK_VALUE(!zero_sums.has_value() || zero_sums->data_ptr() != sums.data_ptr(),
+                    op, " (CUDA): zero_sums: expected another buffer than sums");
+  if (!residual.is_contiguous() || !normed.is_contiguous() || !norm_weight.is_contiguous() || !sums.is_contiguous() ||
+      (zero_sums.has_value() && !zero_sums->is_contiguous())) {
+    return false;
+  }
+  a.residual = residual.data_ptr();
+  a.norm_weight = norm_weight.data_ptr();
+  a.normed = normed.data_ptr();
+  a.sums = sums.data_ptr<double>();
+  a.zero_sums = zero_sums.has_value() ? zero_sums->data_ptr<double>() : nullptr;
+  return launch_decode_linear(a, input);
 }
 
 // A decode step's fused q, k, v projection (out [num_rows, (num_heads + 2 * num_kv_heads) * head_size]) with
@@ -334,9 +401,12 @@ bool decode_linear(at::Tensor out, const at::Tensor& input, const at::Tensor& we
 bool decode_qkv_rope_cache(at::Tensor out, const at::Tensor& input, const at::Tensor& weight,
                            const std::optional<at::Tensor>& bias, const at::Tensor& cos, const at::Tensor& sin,
                            at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& slot_mapping,
-                           int64_t num_heads) {
+                           int64_t num_heads, const std::optional<at::Tensor>& rms_sums, double eps) {
   tpkit_decode_linear_args a{};
-  if (!fill_decode_linear_args(a, out, input, weight, bias, 0, false)) return false;
+  if (!fill_decode_linear_args(a, out, input, weight, bias, 0, false) ||
+      !fill_rms_scale(a, rms_sums, eps, input.device(), "decode_qkv_rope_cache")) {
+    return false;
+  }
   const at::Device device = input.device();
   for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{cos, "cos"}, {sin, "sin"},
                                 {key_cache, "key_cache"}, {value_cache, "value_cache"},
@@ -403,10 +473,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_linear", &decode_linear,
         "out = input @ weight.T (+ bias) for up to 16 rows; False where the kernel does not take these tensors.",
         py::arg("out"), py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("splits"),
-        py::arg("silu_and_mul") = false);
+        py::arg("silu_and_mul") = false, py::arg("rms_sums") = py::none(), py::arg("eps") = 0.0);
+  m.def("decode_linear_residual_norm", &decode_linear_residual_norm,
+        "out = residual + input @ weight.T (+ bias) for up to 16 rows, normed = out * norm_weight, sums += the "
+        "rows' sums of squares, zero_sums zeroed; False where the kernel does not take these tensors.",
+        py::arg("out"), py::arg("normed"), py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("residual"),
+        py::arg("norm_weight"), py::arg("sums"), py::arg("zero_sums"));
   m.def("decode_qkv_rope_cache", &decode_qkv_rope_cache,
         "The fused q, k, v product of up to 16 rows with RoPE on q and k and k, v written to the caches; False "
         "where the kernel does not take these tensors.",
         py::arg("out"), py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("cos"), py::arg("sin"),
-        py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"), py::arg("num_heads"));
+        py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"), py::arg("num_heads"),
+        py::arg("rms_sums") = py::none(), py::arg("eps") = 0.0);
 }

@@ -46,6 +46,7 @@ cudaError_t launch_splits(const tpkit_decode_linear_args* a, cudaStream_t stream
   using tpkit::LinearEpilogue;
   if (a->silu_and_mul) return launch_rows<T, kSplits, LinearEpilogue::kSiLUAndMul>(a, stream);
   if (a->rotary_features > 0) return launch_rows<T, kSplits, LinearEpilogue::kRotaryCache>(a, stream);
+  if (a->residual != nullptr) return launch_rows<T, kSplits, LinearEpilogue::kResidualNorm>(a, stream);
   return launch_rows<T, kSplits, LinearEpilogue::kPlain>(a, stream);
 }
 
@@ -81,7 +82,10 @@ int tpkit_decode_linear_supported(const tpkit_decode_linear_args* a) {
        a->q_features <= a->rotary_features && a->rotary_features <= a->out_features && a->out_features % hs == 0 &&
        a->cos != nullptr && a->sin != nullptr && a->key_cache != nullptr && a->value_cache != nullptr &&
        a->slot_mapping != nullptr && a->block_size > 0);
-  return dtype_ok && shape_ok && aligned && splits_ok && rotary_ok && a->out != nullptr ? 1 : 0;
+  const bool residual_ok = a->residual == nullptr || (!a->silu_and_mul && a->rotary_features == 0 &&
+                                                       a->norm_weight != nullptr && a->normed != nullptr &&
+                                                       a->sums != nullptr);
+  return dtype_ok && shape_ok && aligned && splits_ok && rotary_ok && residual_ok && a->out != nullptr ? 1 : 0;
 }
 
 cudaError_t tpkit_decode_linear_launch(const tpkit_decode_linear_args* a, cudaStream_t stream) {

@@ -1,5 +1,6 @@
 // The decode linear kernel: out[m, n] = sum_k input[m, k] weight[n, k] (+ bias[n]) for up to 16 rows m,
-// with SwiGLU, or RoPE and the KV-cache write, in its epilogue where asked. Torch-free.
+// with SwiGLU, RoPE and the KV-cache write, or a residual add and an RMSNorm's first half in its epilogue
+// where asked, and an RMSNorm's second half (a row's scale) on any of them. Torch-free.
 //
 // A decode step's product reads a whole weight matrix for a handful of rows, so it runs at the speed the
 // weight streams in; what a general GEMM adds on top (tiles staged in shared memory, a split-K reduction
@@ -38,9 +39,9 @@ __device__ __forceinline__ void multiply_step(float (&c)[4], const uint4* __rest
   mma_m16n8k16<kBF16>(c, a1, w.z, w.w);
 }
 
-// What a block does with its sums (decode_linear.h): store them, combine gate and up (SwiGLU), or rotate
-// q and k heads and write k and v to the cache as well.
-enum class LinearEpilogue { kPlain, kSiLUAndMul, kRotaryCache };
+// What a block does with its sums (decode_linear.h): store them, combine gate and up (SwiGLU), rotate q
+// and k heads and write k and v to the cache as well, or add the residual and start the next RMSNorm.
+enum class LinearEpilogue { kPlain, kSiLUAndMul, kRotaryCache, kResidualNorm };
 
 // One block: kLinearRowGroups x kSplits warps; warp (group, split) multiplies 8 weight rows over the
 // split-th share of in_features with m16n8k16 products: the input as A (rows 0-7 and, with kUpperRows,
@@ -54,8 +55,11 @@ __global__ void __launch_bounds__(kLinearRowGroups * kSplits * 32,
   static_assert(kLinearRowGroups == 2, "two groups: gate and up, or a rotation's two halves");
   constexpr bool kSiLUAndMul = kEpilogue == LinearEpilogue::kSiLUAndMul;
   constexpr bool kRotaryCache = kEpilogue == LinearEpilogue::kRotaryCache;
+  constexpr bool kResidualNorm = kEpilogue == LinearEpilogue::kResidualNorm;
   using Traits = DTypeTraits<T>;
   __shared__ float partial[kLinearRowGroups][kSplits][16][8];  // [group][split][row m][feature n]
+  __shared__ float squares[kResidualNorm ? 16 : 1][16];        // [row m][the block's feature]: x^2
+  __shared__ float row_scale[16];                              // each row's RMSNorm scale (rms_sums)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = warp / kSplits, split = warp % kSplits;
   const int r = lane / 4, t = lane % 4;  // a lane's row (of input and of weight) and its 16 bytes a step
@@ -68,6 +72,23 @@ __global__ void __launch_bounds__(kLinearRowGroups * kSplits * 32,
   int n0 = (blockIdx.x * kLinearRowGroups + group) * 8;
   if constexpr (kSiLUAndMul) n0 = blockIdx.x * 8 + (group == 0 ? 0 : a.out_features / 2);
   if constexpr (kRotaryCache) n0 = rotates ? rotary_n0 + (group == 0 ? 0 : half_head) : n0;
+  // In the split RMSNorm's kernels, what the epilogue reads besides the sums is asked for now, so that its
+  // latency hides behind the weight's stream (read in the epilogue, it cost 1-2 us a product): a row's sum
+  // of squares (threads 0-15), and the residual and norm weight of the thread's first epilogue element (its
+  // only one at 4 or 8 warps a row group). The plain kernel, whose registers the hoisting would raise,
+  // reads its rms_sums in the epilogue.
+  constexpr bool kHoisted = kEpilogue != LinearEpilogue::kPlain;
+  const bool reads_rms_sum = a.rms_sums != nullptr && threadIdx.x < a.num_rows;
+  const double rms_sum = kHoisted && reads_rms_sum ? a.rms_sums[threadIdx.x] : 0.0;
+  const int first_m = threadIdx.x / 8 % 16;
+  const int first_n = (blockIdx.x * kLinearRowGroups + threadIdx.x / 128) * 8 + threadIdx.x % 8;
+  const bool first_in_bounds =
+      threadIdx.x < kLinearRowGroups * 16 * 8 && first_m < a.num_rows && first_n < a.out_features;
+  float first_residual = 0.f, first_norm_weight = 0.f;
+  if (kResidualNorm && first_in_bounds) {
+    first_residual = Traits::to_float(static_cast<const T*>(a.residual)[first_m * a.out_features + first_n]);
+    first_norm_weight = Traits::to_float(static_cast<const T*>(a.norm_weight)[first_n]);
+  }
   float c[4] = {0.f, 0.f, 0.f, 0.f};
   if (n0 < a.out_features) {
     const int steps = a.in_features / kLinearStep;
@@ -92,14 +113,20 @@ __global__ void __launch_bounds__(kLinearRowGroups * kSplits * 32,
   partial[group][split][r][2 * t + 1] = c[1];
   partial[group][split][r + 8][2 * t] = c[2];
   partial[group][split][r + 8][2 * t + 1] = c[3];
+  if (reads_rms_sum) {
+    const float sum = static_cast<float>(kHoisted ? rms_sum : a.rms_sums[threadIdx.x]);
+    row_scale[threadIdx.x] = rsqrtf(sum / a.in_features + a.eps);
+  }
   __syncthreads();
   T* out = static_cast<T*>(a.out);
   const T* bias = static_cast<const T*>(a.bias);
-  // Group g's feature j of row m: the sum of its splits and its bias, in float.
+  // Group g's feature j of row m: the sum of its splits (times the row's RMSNorm scale) and its bias, in
+  // float.
   auto product = [&](int g, int m, int j, int n) {
     float sum = 0.f;
 #pragma unroll
     for (int s = 0; s < kSplits; ++s) sum += partial[g][s][m][j];
+    if (a.rms_sums != nullptr) sum *= row_scale[m];
     return bias != nullptr ? sum + Traits::to_float(bias[n]) : sum;
   };
   if constexpr (kSiLUAndMul) {
@@ -152,12 +179,40 @@ __global__ void __launch_bounds__(kLinearRowGroups * kSplits * 32,
   for (int i = threadIdx.x; i < kLinearRowGroups * 16 * 8; i += blockDim.x) {
     const int g = i / 128, m = i / 8 % 16, j = i % 8;
     const int n = (blockIdx.x * kLinearRowGroups + g) * 8 + j;
-    if (m >= a.num_rows || n >= a.out_features) continue;
-    float sum = 0.f;
+    if (m >= a.num_rows || n >= a.out_features) {
+      if constexpr (kResidualNorm) squares[m][g * 8 + j] = 0.f;
+      continue;
+    }
+    const T rounded = Traits::from_float(product(g, m, j, n));
+    if constexpr (kResidualNorm) {
+      const int64_t mn = static_cast<int64_t>(m) * a.out_features + n;
+      const bool first = i == threadIdx.x;
+      const float residual = first ? first_residual : Traits::to_float(static_cast<const T*>(a.residual)[mn]);
+      const float norm_weight =
+          first ? first_norm_weight : Traits::to_float(static_cast<const T*>(a.norm_weight)[n]);
+      // x = round(round(product) + residual), as `residual + product` in the dtype rounds.
+      const T x = Traits::from_float(Traits::to_float(rounded) + residual);
+      const float xf = Traits::to_float(x);
+      out[m * a.out_stride + n] = x;
+      static_cast<T*>(a.normed)[mn] = Traits::from_float(xf * norm_weight);
+      squares[m][g * 8 + j] = xf * xf;
+    } else {
+      out[m * a.out_stride + n] = rounded;
+    }
+  }
+  if constexpr (kResidualNorm) {
+    __syncthreads();
+    if (threadIdx.x < a.num_rows) {
+      // The block's 16 squares in a fixed order, then a float64 atomic add: a row's float32 partials add up
+      // exactly in float64 while the sum needs at most 53 bits (24 a partial, the spread of their exponents
+      // and log2 of their count: a largest partial up to 2^21 times the smallest over 256 blocks), and then
+      // the order the blocks' adds land in does not change it: the steps are reproducible.
+      float block_sum = 0.f;
 #pragma unroll
-    for (int s = 0; s < kSplits; ++s) sum += partial[g][s][m][j];
-    if (bias != nullptr) sum += Traits::to_float(bias[n]);
-    out[m * a.out_stride + n] = Traits::from_float(sum);
+      for (int f = 0; f < 16; ++f) block_sum += squares[threadIdx.x][f];
+      atomicAdd(&a.sums[threadIdx.x], static_cast<double>(block_sum));
+      if (blockIdx.x == 0 && a.zero_sums != nullptr) a.zero_sums[threadIdx.x] = 0.0;
+    }
   }
 }
 

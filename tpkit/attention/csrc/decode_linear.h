@@ -45,6 +45,22 @@ typedef struct {
   int64_t num_blocks;
   int64_t kc_stride_block, kc_stride_token, kc_stride_head;
   int64_t vc_stride_block, vc_stride_token, vc_stride_head;
+  // An RMSNorm split across two products of a decode step (rms_norm(x) W^T = rsqrt(mean(x^2) + eps) (x *
+  // norm_weight) W^T), so that no kernel of its own runs between them:
+  // - the producer (residual != NULL; plain product only): out = round(product) + residual, rounded (the
+  //   residual stream's next value x); normed = round(x * norm_weight); sums[m] += the sum of x[m]^2 over
+  //   the block's features (a float32 sum in a fixed order, added in float64, where the order of the
+  //   blocks' adds does not change the result); block 0 also zeroes zero_sums[0, num_rows) (the buffer whose
+  //   consumer ran before this product);
+  // - the consumer (rms_sums != NULL; any epilogue): the product of row m is multiplied by
+  //   rsqrt(rms_sums[m] / in_features + eps) before the bias and the epilogue.
+  const void* residual;     // [num_rows, out_features], contiguous, the dtype
+  const void* norm_weight;  // [out_features], the dtype
+  void* normed;             // [num_rows, out_features], contiguous, the dtype
+  double* sums;             // [num_rows], float64, zero before the product
+  double* zero_sums;        // [num_rows], float64, or NULL
+  const double* rms_sums;   // [num_rows], float64, or NULL
+  float eps;
 } tpkit_decode_linear_args;
 
 // The most rows one launch takes.
@@ -53,7 +69,7 @@ typedef struct {
 // 1 when the kernel takes these arguments: float16 or bfloat16, 1-16 rows, in_features a multiple of 32,
 // out_features of 8 (of 16 with silu_and_mul), input and weight rows 16-byte aligned, splits 0, 1, 2, 4 or 8;
 // with the rotation, head_size a multiple of 16 and q_features, rotary_features and out_features multiples
-// of head_size.
+// of head_size; with a residual, neither SwiGLU nor the rotation, and norm_weight, normed and sums given.
 int tpkit_decode_linear_supported(const tpkit_decode_linear_args* args);
 
 // Launches the kernel on `stream` (cudaErrorInvalidValue where tpkit_decode_linear_supported says 0).
