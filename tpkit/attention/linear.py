@@ -267,6 +267,10 @@ def _decode_linear_residual_norm_op(input: torch.Tensor, weight: torch.Tensor, b
     # input [num_rows, in_features], weight [out_features, in_features], residual [num_rows, out_features],
     # norm_weight [out_features], sums and zero_sums float64 [num_rows]
     # -> out, normed [num_rows, out_features]
+    # Here, not in the wrapper: torch.compile cannot trace a comparison of data pointers (a graph break in
+    # every layer, then a recompilation per layer until its limit), and runs an op's body as it is.
+    if sums.data_ptr() == zero_sums.data_ptr():
+        raise ValueError("decode_linear_residual_norm: zero_sums: expected another buffer than sums")
     out = input.new_empty(input.shape[0], weight.shape[0])
     normed = torch.empty_like(out)
     if input.is_cuda:
@@ -330,8 +334,6 @@ def decode_linear_residual_norm(input: torch.Tensor, weight: torch.Tensor, bias:
         if buffer.shape != (num_rows,) or buffer.dtype != torch.float64:
             raise ValueError(f"decode_linear_residual_norm: {name}: expected float64 [{num_rows}] (one sum a "
                              f"row of input), got {buffer.dtype} {tuple(buffer.shape)}")
-    if sums.data_ptr() == zero_sums.data_ptr():
-        raise ValueError("decode_linear_residual_norm: zero_sums: expected another buffer than sums")
     residual_rows = residual.reshape(num_rows, out_features)
     out, normed = _decode_linear_residual_norm_op(rows, weight, bias, residual_rows, norm_weight, sums,
                                                   zero_sums)
