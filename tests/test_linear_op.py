@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from tpkit.attention import (
+    apply_rms_sums,
     apply_rotary,
     decode_linear,
     decode_linear_residual_norm,
@@ -229,6 +230,13 @@ def test_rms_norm_split_between_two_products_on_cpu() -> None:
     x, norm_weight = torch.randn(3, 1, 64), torch.randn(64)
     normed, sums = x * norm_weight, x.square().sum(-1, dtype=torch.float64).flatten()
     reference = F.rms_norm(x, (64,), norm_weight, eps)
+    # A norm no product follows (the model's last) ends with apply_rms_sums.
+    torch.testing.assert_close(apply_rms_sums(normed, sums, eps), reference)
+    assert apply_rms_sums(normed, None, eps) is normed
+    assert apply_rms_sums(normed.bfloat16(), sums, eps).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"apply_rms_sums: rms_sums: expected float64 \[3\] \(one sum a row "
+                                         r"of input\), got torch.float32 \(3,\)"):
+        apply_rms_sums(normed, sums.float(), eps)
     w, b = torch.randn(48, 64), torch.randn(48)
     torch.testing.assert_close(decode_linear_silu_and_mul(normed, w, b, sums, eps),
                                decode_linear_silu_and_mul(reference, w, b))

@@ -10,6 +10,7 @@ for the CPU and a CUDA kernel for NVIDIA GPUs. Caches are
 from tpkit.attention.kv_cache import AttentionMetadata, PagedKVCache
 from tpkit.attention.layer import Attention
 from tpkit.attention.linear import (
+    apply_rms_sums,
     decode_kernel_applies,
     decode_linear,
     decode_linear_residual_norm,
@@ -23,6 +24,7 @@ __all__ = [
     "Attention",
     "AttentionMetadata",
     "PagedKVCache",
+    "apply_rms_sums",
     "apply_rotary",
     "decode_kernel_applies",
     "decode_linear",

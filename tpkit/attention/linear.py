@@ -44,9 +44,13 @@ def _features(weight: torch.Tensor, silu_and_mul: bool) -> int:
     return weight.shape[0] // 2 if silu_and_mul else weight.shape[0]
 
 
-def _rms_scaled(input: torch.Tensor, rms_sums: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """input [..., in_features] with row m times rsqrt(rms_sums[m] / in_features + eps), rms_sums float64
-    [num_rows] over input's leading dimensions flattened; input itself where rms_sums is None."""
+def apply_rms_sums(input: torch.Tensor, rms_sums: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """The second half of an RMSNorm split across two products: ``input`` ``[..., features]`` (the first
+    half's ``normed``, ``x * norm_weight``) with row m times ``rsqrt(rms_sums[m] / features + eps)``, in
+    float32, rounded once to input's dtype. rms_sums: float64 ``[num_rows]`` over input's leading dimensions
+    flattened (the sums of ``x ** 2`` that :func:`decode_linear_residual_norm` added); input itself where
+    it is None. What the products given ``rms_sums=`` apply, for a norm no product follows."""
+    _check_rms_sums("apply_rms_sums", input, rms_sums)
     if rms_sums is None:
         return input
     scale = torch.rsqrt(rms_sums.float() / input.shape[-1] + eps).view(*input.shape[:-1], 1)
@@ -66,7 +70,7 @@ def _run(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, s
         if _cuda.decode_linear(out, input, weight, bias, silu_and_mul=silu_and_mul, rms_sums=rms_sums,
                                eps=eps):
             return out
-    product = F.linear(_rms_scaled(input, rms_sums, eps), weight, bias)
+    product = F.linear(apply_rms_sums(input, rms_sums, eps), weight, bias)
     return (_silu_and_mul(product) if silu_and_mul else product).contiguous()
 
 
@@ -165,7 +169,7 @@ def decode_linear_silu_and_mul(input: torch.Tensor, weight: torch.Tensor, bias: 
                          f"rows, then up rows), got {tuple(weight.shape)}")
     _check_rms_sums("decode_linear_silu_and_mul", input, rms_sums)
     if not _kernel_may_take(input, weight, bias) or weight.shape[0] % 16 != 0:
-        return _silu_and_mul(F.linear(_rms_scaled(input, rms_sums, eps), weight, bias))
+        return _silu_and_mul(F.linear(apply_rms_sums(input, rms_sums, eps), weight, bias))
     features = _features(weight, True)
     return _on_rows(_decode_linear_silu_and_mul_op, input, weight, bias, features, rms_sums, eps)
 
@@ -203,7 +207,7 @@ def _decode_qkv_rope_cache_op(input: torch.Tensor, weight: torch.Tensor, bias: t
             return out
     num_kv_heads, head_size = key_cache.shape[2], key_cache.shape[3]
     # [num_rows, heads, head_size]; the rotation's cos, sin [num_rows, 1, head_size / 2]
-    qkv = F.linear(_rms_scaled(input, rms_sums, eps), weight, bias).view(input.shape[0], -1, head_size)
+    qkv = F.linear(apply_rms_sums(input, rms_sums, eps), weight, bias).view(input.shape[0], -1, head_size)
     qk = apply_rotary(qkv[None, :, : num_heads + num_kv_heads], cos[None, :, None], sin[None, :, None])[0]
     k, v = qk[:, num_heads:], qkv[:, num_heads + num_kv_heads:]
     reshape_and_cache(k, v, key_cache, value_cache, slot_mapping)

@@ -25,6 +25,7 @@ from tpkit.attention import (
     Attention,
     AttentionMetadata,
     PagedKVCache,
+    apply_rms_sums,
     apply_rotary,
     decode_kernel_applies,
     decode_linear,
@@ -259,8 +260,7 @@ class LlamaForCausalLM(PagedDecoderOnlyLM):
             next_norm = self.layers[i + 1].input_layernorm if i + 1 < self.num_layers else self.norm
             x, normed = layer.decode_norms_in_products(x, normed, input_sums, post_sums, next_norm.weight,
                                                        cos, sin, kv_cache, metadata)
-        scale = torch.rsqrt(input_sums.float() / x.shape[-1] + self.norm.eps).view(*x.shape[:-1], 1)
-        return (normed.float() * scale).to(x.dtype)
+        return apply_rms_sums(normed, input_sums, self.norm.eps)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden_states)
