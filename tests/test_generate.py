@@ -80,6 +80,31 @@ def test_eos_stops_sequences_and_sampling_agrees_on_every_rank(ranks, checkpoint
     assert all(result == results[0] for result in results)
 
 
+def _compiled_step_on_ranks(path: str, tp_size: int) -> None:
+    from tpkit.parallel_layers import init_tensor_parallel
+
+    init_tensor_parallel(tp_size)
+    model = from_pretrained(path, device=device())
+    caches = model._reserve_kv_caches(model._plan_kv_cache([len(p) for p in PROMPTS], 2))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        tokens = model._prefill(PROMPTS, caches).argmax(-1)
+        metadata = model._decode_metadata(caches, range(len(PROMPTS)))
+        # Both write the same k, v into the same slots: the second step sees the caches the first did.
+        eager = model._decode_step(tokens[:, None], metadata, caches)
+        compiled = torch.compile(model._decode_step, fullgraph=True, backend="eager")
+        logits = compiled(tokens[:, None], metadata, caches)
+    torch.testing.assert_close(logits, eager)
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_decode_step_compiles_without_graph_breaks_on_every_rank(ranks, checkpoint, tp_size):
+    """generate(compile=True) compiles the decode step; fullgraph=True fails on a graph break, which would
+    recompile the step's per-layer frames until dynamo's limit (the all-reduces of row-parallel layers broke
+    it once, through their autograd function's mark_dirty)."""
+    ranks.run(tp_size, _compiled_step_on_ranks, str(checkpoint), tp_size)
+
+
 def test_filter_logits_matches_transformers_warpers():
     logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(0)) * 3
     for temperature, top_k, top_p in [(0.7, 20, None), (1.3, None, 0.8), (0.9, 40, 0.5), (1.0, 300, 1.0)]:

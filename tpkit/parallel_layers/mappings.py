@@ -118,7 +118,13 @@ def reduce_from_tp_region(
 
 def _reduce_from_tp_region_(input_: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """:func:`reduce_from_tp_region` in place, for a fresh tensor the caller owns (a layer's output)."""
-    return input_ if tp.size == 1 else _ReduceFromTPRegion.apply(input_, tp, True)
+    if tp.size == 1:
+        return input_
+    if not (torch.is_grad_enabled() and input_.requires_grad) and input_.is_contiguous():
+        # No gradient to route: the collective alone. torch.compile traces it, where the autograd function's
+        # mark_dirty would break the graph at every reduction (and recompile the step's frames per layer).
+        return _all_reduce(input_, tp)
+    return _ReduceFromTPRegion.apply(input_, tp, True)
 
 
 def gather_from_tp_region(
