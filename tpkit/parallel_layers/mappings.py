@@ -35,12 +35,15 @@ def _all_reduce(tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
 def _all_gather_last_dim(tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     # [..., n] on each rank -> [..., tp_size * n], rank r's chunk at [r * n, (r + 1) * n)
     tensor = tensor.contiguous()
-    stacked = tensor.new_empty((tp.size, *tensor.shape))  # [tp_size, ..., n]
+    # Ranks' tensors stacked along dim 0, [tp_size * d0, ...], the output shape torch.compile's traced
+    # all-gather writes (it copies into the buffer given), viewed as [tp_size, ..., n].
+    gathered = tensor.new_empty((tp.size * tensor.shape[0], *tensor.shape[1:]))
+    stacked = gathered.view(tp.size, *tensor.shape)
     if tp.backend == "gloo":
         # Some gloo builds lack the single-tensor all-gather: gather into views of the same buffer.
         dist.all_gather(list(stacked.unbind(0)), tensor, group=tp.group)
     else:
-        _all_gather_into(stacked, tensor, group=tp.group)
+        _all_gather_into(gathered, tensor, group=tp.group)
     return stacked.movedim(0, -2).reshape(*tensor.shape[:-1], tp.size * tensor.shape[-1])
 
 
