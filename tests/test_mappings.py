@@ -7,6 +7,9 @@ import pytest
 import torch
 
 from tpkit.parallel_layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
     TPGroup,
     copy_to_tp_region,
     gather_from_tp_region,
@@ -89,3 +92,36 @@ def _check_mappings(tp_size: int) -> None:
 @pytest.mark.parametrize("tp_size", [1, 2, 4])
 def test_mappings(ranks, tp_size: int) -> None:
     ranks.run(tp_size, _check_mappings, tp_size)
+
+
+def _check_compiled_layers(tp_size: int) -> None:
+    # The collectives inside tensor-parallel layers (copy to the region, the row-parallel in-place all-reduce,
+    # the LM head's gather) through torch.compile(fullgraph=True), which fails on a graph break: training
+    # (the autograd functions, gradients through AOTAutograd) and inference (the reduction alone), against
+    # the same layers run eagerly.
+    init_tensor_parallel()
+    device = multirank.device()
+    torch.manual_seed(0)
+    up = ColumnParallelLinear(16, 32, device=device)
+    down = RowParallelLinear(32, 16, device=device)
+    head = ParallelLMHead(40, 16, bias=True, device=device)
+    params = [*up.parameters(), *down.parameters(), *head.parameters()]
+    x = torch.randn(3, 5, 16, device=device)
+
+    def logits(x: torch.Tensor) -> torch.Tensor:
+        return head.compute_logits(down(torch.relu(up(x))))  # [3, 5, 40]
+
+    eager_loss = logits(x).square().mean()
+    eager_grads = torch.autograd.grad(eager_loss, params)
+    compiled = torch.compile(lambda x: logits(x).square().mean(), fullgraph=True, backend="aot_eager")
+    loss = compiled(x)
+    torch.testing.assert_close(loss, eager_loss)
+    torch.testing.assert_close(torch.autograd.grad(loss, params), eager_grads)
+    with torch.no_grad():
+        expected = logits(x)
+        torch.testing.assert_close(torch.compile(logits, fullgraph=True, backend="eager")(x), expected)
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_layers_compile_without_graph_breaks(ranks, tp_size: int) -> None:
+    ranks.run(tp_size, _check_compiled_layers, tp_size)
