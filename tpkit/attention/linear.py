@@ -174,11 +174,17 @@ def decode_linear_silu_and_mul(input: torch.Tensor, weight: torch.Tensor, bias: 
     return _on_rows(_decode_linear_silu_and_mul_op, input, weight, bias, features, rms_sums, eps)
 
 
-def _check_rms_sums(op: str, input: torch.Tensor, rms_sums: torch.Tensor | None) -> None:
+def _check_row_sums(op: str, name: str, input: torch.Tensor, sums: torch.Tensor) -> None:
+    """``sums`` (argument ``name`` of ``op``) must be float64 [num_rows], one sum a row of ``input``."""
     num_rows = input.numel() // input.shape[-1] if input.shape[-1] else 0
-    if rms_sums is not None and (rms_sums.shape != (num_rows,) or rms_sums.dtype != torch.float64):
-        raise ValueError(f"{op}: rms_sums: expected float64 [{num_rows}] (one sum a row of input), got "
-                         f"{rms_sums.dtype} {tuple(rms_sums.shape)}")
+    if sums.shape != (num_rows,) or sums.dtype != torch.float64:
+        raise ValueError(f"{op}: {name}: expected float64 [{num_rows}] (one sum a row of input), got "
+                         f"{sums.dtype} {tuple(sums.shape)}")
+
+
+def _check_rms_sums(op: str, input: torch.Tensor, rms_sums: torch.Tensor | None) -> None:
+    if rms_sums is not None:
+        _check_row_sums(op, "rms_sums", input, rms_sums)
 
 
 def _on_rows(op: Callable[..., torch.Tensor], input: torch.Tensor, weight: torch.Tensor,
@@ -334,10 +340,8 @@ def decode_linear_residual_norm(input: torch.Tensor, weight: torch.Tensor, bias:
     if norm_weight.shape != (out_features,):
         raise ValueError(f"decode_linear_residual_norm: norm_weight: expected ({out_features},), got "
                          f"{tuple(norm_weight.shape)}")
-    for name, buffer in (("sums", sums), ("zero_sums", zero_sums)):
-        if buffer.shape != (num_rows,) or buffer.dtype != torch.float64:
-            raise ValueError(f"decode_linear_residual_norm: {name}: expected float64 [{num_rows}] (one sum a "
-                             f"row of input), got {buffer.dtype} {tuple(buffer.shape)}")
+    _check_row_sums("decode_linear_residual_norm", "sums", input, sums)
+    _check_row_sums("decode_linear_residual_norm", "zero_sums", input, zero_sums)
     residual_rows = residual.reshape(num_rows, out_features)
     out, normed = _decode_linear_residual_norm_op(rows, weight, bias, residual_rows, norm_weight, sums,
                                                   zero_sums)
