@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from .state import TPGroup, _resolve_tp_group
 
@@ -30,6 +31,24 @@ def _all_reduce(tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """Sums ``tensor`` over the group in place; ``tensor`` must be contiguous and owned by the caller."""
     dist.all_reduce(tensor, group=tp.group)
     return tensor
+
+
+@torch.library.custom_op("tpkit::all_reduce", mutates_args=())
+def _all_reduce_copy(input_: torch.Tensor, group_name: str) -> torch.Tensor:
+    """The sum of ``input_`` over the group named ``group_name``, in a new contiguous tensor.
+
+    An op of its own so that torch.compile keeps it whole: traced inside an autograd function, the collective
+    alone came out of the graph with no gradient (zeros on CUDA with NCCL, torch 2.11), the function's
+    backward never running.
+    """
+    output = input_.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(output, group=_resolve_process_group(group_name))
+    return output
+
+
+@_all_reduce_copy.register_fake
+def _(input_: torch.Tensor, group_name: str) -> torch.Tensor:
+    return torch.empty_like(input_, memory_format=torch.contiguous_format)
 
 
 def _all_gather_last_dim(tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
@@ -70,15 +89,12 @@ class _CopyToTPRegion(torch.autograd.Function):
 
 class _ReduceFromTPRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, input_: torch.Tensor, tp: TPGroup, inplace: bool) -> torch.Tensor:
-        if inplace and input_.is_contiguous():
-            ctx.mark_dirty(input_)
-            return _all_reduce(input_, tp)
-        return _all_reduce(input_.clone(memory_format=torch.contiguous_format), tp)
+    def forward(ctx, input_: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+        return _all_reduce_copy(input_, tp.group.group_name)
 
     @staticmethod
-    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return grad_output, None, None
+    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad_output, None
 
 
 class _GatherFromTPRegion(torch.autograd.Function):
@@ -116,18 +132,19 @@ def reduce_from_tp_region(
 ) -> torch.Tensor:
     """All-reduces (sums) partial results over the group into a new tensor; backward is the identity."""
     tp = _resolve_tp_group(tp_group)
-    return input_ if tp.size == 1 else _ReduceFromTPRegion.apply(input_, tp, False)
+    return input_ if tp.size == 1 else _ReduceFromTPRegion.apply(input_, tp)
 
 
 def _reduce_from_tp_region_(input_: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    """:func:`reduce_from_tp_region` in place, for a fresh tensor the caller owns (a layer's output)."""
+    """:func:`reduce_from_tp_region` in place where no gradient is wanted, for a fresh tensor the caller owns
+    (a layer's output)."""
     if tp.size == 1:
         return input_
-    if not (torch.is_grad_enabled() and input_.requires_grad) and input_.is_contiguous():
-        # No gradient to route: the collective alone. torch.compile traces it, where the autograd function's
-        # mark_dirty would break the graph at every reduction (and recompile the step's frames per layer).
-        return _all_reduce(input_, tp)
-    return _ReduceFromTPRegion.apply(input_, tp, True)
+    if (torch.is_grad_enabled() and input_.requires_grad) or not input_.is_contiguous():
+        # Into a new tensor: reduced in place inside the autograd function (mark_dirty), the output aliased
+        # the input, and torch.compile on CUDA refused the row-parallel layer's in-place bias add on it.
+        return _ReduceFromTPRegion.apply(input_, tp)
+    return _all_reduce(input_, tp)
 
 
 def gather_from_tp_region(
