@@ -6,7 +6,7 @@ then cross-attention whose q comes from the decoder and k, v from the encoder th
 QKVCrossParallelLinear, then the MLP. The encoder's K/V are computed once per request, at prefill, into
 a second paged cache ("cross"); decode steps pass no encoder states and attend to that cache. Learned
 positions with BART's offset of 2, optional sqrt(d_model) embedding scale, layernorm_embedding, embeddings
-tied to the LM head, and ``final_logits_bias`` as the LM head's bias.
+tied to the LM head, and ``final_logits_bias`` as the LM head's bias (not trained, as in transformers).
 """
 
 from __future__ import annotations
@@ -180,6 +180,8 @@ class BartForConditionalGeneration(PagedLM):
         self.encoder = BartStack(config, BartEncoderLayer, config["encoder_layers"], factory)
         self.decoder = BartStack(config, BartDecoderLayer, config["decoder_layers"], factory)
         self.lm_head = ParallelLMHead(vocab_size, d_model, bias=True, **factory)  # bias: final_logits_bias
+        # transformers keeps final_logits_bias as a buffer, which training leaves as it is.
+        self.lm_head.bias.requires_grad_(False)
         with torch.no_grad():
             self.lm_head.bias.zero_()
         self.tie_word_embeddings = config.get("tie_word_embeddings", True)

@@ -14,6 +14,7 @@ from .linear import (
     QKVParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
+    reduce_kv_replica_grads,
 )
 from .linear_op import LinearOp, set_linear_op
 from .mappings import copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region, scatter_to_tp_region
@@ -47,6 +48,7 @@ __all__ = [
     "init_tensor_parallel",
     "pad_vocab_size",
     "reduce_from_tp_region",
+    "reduce_kv_replica_grads",
     "scatter_to_tp_region",
     "set_linear_op",
     "skip_init",

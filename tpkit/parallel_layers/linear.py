@@ -37,6 +37,7 @@ from ._loading import (
 )
 from .linear_op import _UsesLinearOp
 from .mappings import (
+    _all_reduce,
     _reduce_from_tp_region_,
     copy_to_tp_region,
     gather_from_tp_region,
@@ -289,7 +290,8 @@ class QKVParallelLinear(_ColumnParallelBase):
     v_proj, or None with a tensor that stores them fused in that order (GPT-BigCode's ``c_attn``).
 
     A replicated KV head's weight gradient on a rank covers only that rank's query heads' use of it; the
-    replicas' gradients sum to the full one (an all-reduce over them, for training).
+    replicas' gradients sum to the full one: in training, call :meth:`reduce_kv_replica_grads` (or
+    :func:`reduce_kv_replica_grads` on the model) after backward.
     """
 
     def __init__(
@@ -368,6 +370,28 @@ class QKVParallelLinear(_ColumnParallelBase):
         heads = self.total_num_heads if loaded_shard_id == "q" else self.total_num_kv_heads
         self._load_rows(param, loaded_weight, name, heads * self.head_size, [(dst, src, length)])
 
+    def reduce_kv_replica_grads(self) -> bool:
+        """Sums the k and v rows' gradients (weight and bias) over the ranks that hold the same KV head, so
+        that each replica holds the whole head's gradient and the replicas stay equal through an optimizer
+        step. Call it after backward, on every rank of the group. Returns False, doing nothing, when the KV
+        heads are split rather than replicated."""
+        if self.num_kv_head_replicas == 1:
+            return False
+        kv_rank = self.tp_rank // self.num_kv_head_replicas
+        for param in (self.weight, self.bias):
+            if param is None:
+                continue
+            if param.grad is None:  # unused on this rank: its replicas still count on its share
+                param.grad = torch.zeros_like(param)
+            kv_grad = param.grad[self.q_size:]  # [2 * head_size, ...]: this rank's k and v rows
+            # One slot a KV head, each filled by its replicas: one all-reduce over the whole group, no
+            # subgroups to create.
+            slots = kv_grad.new_zeros(self.total_num_kv_heads, *kv_grad.shape)
+            slots[kv_rank] = kv_grad
+            _all_reduce(slots, self.tp_group)
+            kv_grad.copy_(slots[kv_rank])
+        return True
+
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, head_size={self.head_size}, "
                 f"total_num_heads={self.total_num_heads}, total_num_kv_heads={self.total_num_kv_heads}, "
@@ -442,3 +466,12 @@ class RowParallelLinear(_LinearBase):
             elif torch.is_grad_enabled() and self.bias.requires_grad:
                 output = output.add_(self.bias - self.bias.detach())
         return self._with_bias(output)
+
+
+def reduce_kv_replica_grads(module: nn.Module) -> int:
+    """:meth:`QKVParallelLinear.reduce_kv_replica_grads` on every QKV layer in ``module`` (itself included,
+    :class:`~tpkit.parallel_layers.QKVCrossParallelLinear` too): after backward, on every rank, before the
+    optimizer step of a model whose KV heads are replicated (``tp_size`` above ``total_num_kv_heads``).
+    Returns how many layers it reduced."""
+    return sum(layer.reduce_kv_replica_grads() for layer in module.modules()
+               if isinstance(layer, QKVParallelLinear))
