@@ -1,0 +1,138 @@
+"""A training step's gradients: tpkit's models against transformers, at tp_size 1, 2 and 4, eager and
+compiled.
+
+The parent computes transformers' loss and the gradient of every parameter, by checkpoint name. Each rank
+loads its shard, runs the same loss forward and backward (through ``torch.compile`` too), sums the
+replicated KV heads' gradients (``reduce_kv_replica_grads``), and compares each parameter's gradient with
+transformers' gradient sharded as the weights are: loaded through the model's own ``load_weights`` into a
+zeroed copy of the model. Llama with GQA (KV heads replicated at tp_size 4), tied embeddings and biases;
+GPT-BigCode with multi-query attention (replicated at 2 and 4) and its fused ``c_attn``; BART, whose
+cross-attention is ``QKVCrossParallelLinear``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from checkpoints import make_bart_checkpoint, make_gpt_bigcode_checkpoint, make_llama_checkpoint
+from multirank import device
+
+# float32, summed in other orders across ranks and against transformers: relative, and absolute against the
+# tensor's largest gradient (elements near 0 carry the rounding of the large ones).
+GRAD_RTOL, GRAD_ATOL_OF_MAX = 1e-4, 1e-4
+
+
+def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    # logits [batch, seq, vocab], labels [batch, seq]
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+def _references(hf_model, forward_args: dict[str, torch.Tensor], labels: torch.Tensor) -> dict:
+    """transformers' loss and gradients, the latter under every name a parameter has (tied ones too)."""
+    hf_model.zero_grad()
+    loss = _loss(hf_model(**forward_args).logits, labels)
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in hf_model.named_parameters(remove_duplicate=False)}
+    hf_model.zero_grad()
+    return {"forward_args": tuple(forward_args.values()), "labels": labels, "ref_loss": loss.detach(),
+            "ref_grads": grads}
+
+
+def _sharded_like_weights(model, path: str, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' gradients, each in this rank's shard of the parameter it loads into: a zeroed copy of
+    ``model`` loads them (buffers the checkpoint holds as zeros) through its own ``load_weights``."""
+    from tpkit.loaders import iter_weights
+    from tpkit.parallel_layers import skip_init
+
+    with skip_init():
+        shadow = type(model)(model.config, device=device(), tp_group=model.tp_group)
+    for tensor in (*shadow.parameters(), *shadow.buffers()):
+        tensor.detach().zero_()
+    shadow.load_weights((name, grads[name] if name in grads else torch.zeros(tuple(handle.shape)))
+                        for name, handle in iter_weights(path))
+    return dict(shadow.named_parameters())
+
+
+def check_training_step(path: str, tp_size: int, forward_args: tuple[torch.Tensor, ...], labels: torch.Tensor,
+                        ref_loss: torch.Tensor, ref_grads: dict[str, torch.Tensor]) -> int:
+    """On every rank: loss and every parameter's gradient equal transformers', eager and compiled (AOTAutograd
+    gradients, ``fullgraph=True``). Returns how many QKV layers had replicated KV heads to reduce."""
+    from tpkit.models import from_pretrained
+    from tpkit.parallel_layers import init_tensor_parallel, reduce_kv_replica_grads
+
+    init_tensor_parallel(tp_size)
+    model = from_pretrained(path, device=device())
+    expected = _sharded_like_weights(model, path, ref_grads)
+    args = tuple(t.to(device()) for t in forward_args)
+    reduced = 0
+    for forward in (model, torch.compile(model, backend="aot_eager", fullgraph=True)):
+        model.zero_grad(set_to_none=True)
+        loss = _loss(forward(*args), labels.to(device()))
+        loss.backward()
+        reduced = reduce_kv_replica_grads(model)
+        torch.testing.assert_close(loss.cpu(), ref_loss, rtol=1e-5, atol=1e-6)
+        for name, param in model.named_parameters():
+            if not param.requires_grad:  # BART's final_logits_bias, a buffer in transformers
+                assert param.grad is None, f"{name}: a gradient for a frozen parameter"
+                continue
+            assert param.grad is not None, f"{name}: no gradient"
+            atol = GRAD_ATOL_OF_MAX * expected[name].abs().max().item()
+            torch.testing.assert_close(param.grad, expected[name], rtol=GRAD_RTOL, atol=atol,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+    return reduced
+
+
+def _decoder_only(hf_model) -> dict:
+    generator = torch.Generator().manual_seed(2)
+    input_ids = torch.randint(3, hf_model.config.vocab_size, (2, 13), generator=generator)
+    # Each position predicts the next token; the last one a random token.
+    labels = torch.cat([input_ids[:, 1:], torch.randint(3, hf_model.config.vocab_size, (2, 1),
+                                                        generator=generator)], dim=1)
+    return _references(hf_model, {"input_ids": input_ids}, labels)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama_train")
+    hf_model = make_llama_checkpoint(path, num_key_value_heads=2, tie_word_embeddings=True,
+                                     attention_bias=True)
+    return str(path), _decoder_only(hf_model)
+
+
+@pytest.fixture(scope="module")
+def gpt_bigcode(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpt_bigcode_train")
+    return str(path), _decoder_only(make_gpt_bigcode_checkpoint(path))
+
+
+@pytest.fixture(scope="module")
+def bart(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bart_train")
+    hf_model = make_bart_checkpoint(path, scale_embedding=True)
+    generator = torch.Generator().manual_seed(3)
+    input_ids = torch.randint(3, hf_model.config.vocab_size, (2, 11), generator=generator)
+    decoder_input_ids = torch.randint(3, hf_model.config.vocab_size, (2, 7), generator=generator)
+    labels = torch.randint(3, hf_model.config.vocab_size, (2, 7), generator=generator)
+    return str(path), _references(hf_model, {"input_ids": input_ids, "decoder_input_ids": decoder_input_ids},
+                                  labels)
+
+
+@pytest.mark.parametrize("tp_size", [1, 2, 4])
+def test_llama_training_step(ranks, llama, tp_size):
+    path, refs = llama
+    reduced = ranks.run(tp_size, check_training_step, path, tp_size, **refs, timeout=240)
+    assert reduced == [2 if tp_size == 4 else 0] * tp_size  # 2 KV heads: replicated at tp_size 4
+
+
+@pytest.mark.parametrize("tp_size", [1, 2, 4])
+def test_gpt_bigcode_training_step(ranks, gpt_bigcode, tp_size):
+    path, refs = gpt_bigcode
+    reduced = ranks.run(tp_size, check_training_step, path, tp_size, **refs, timeout=240)
+    assert reduced == [0 if tp_size == 1 else 2] * tp_size  # multi-query: replicated from tp_size 2
+
+
+@pytest.mark.parametrize("tp_size", [1, 2, 4])
+def test_bart_training_step(ranks, bart, tp_size):
+    path, refs = bart
+    ranks.run(tp_size, check_training_step, path, tp_size, **refs, timeout=240)
