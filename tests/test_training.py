@@ -122,14 +122,14 @@ def bart(tmp_path_factory):
 def test_llama_training_step(ranks, llama, tp_size):
     path, refs = llama
     reduced = ranks.run(tp_size, check_training_step, path, tp_size, **refs, timeout=240)
-    assert reduced == [2 if tp_size == 4 else 0] * tp_size  # 2 KV heads: replicated at tp_size 4
+    assert set(reduced) == {2 if tp_size == 4 else 0}  # 2 KV heads: replicated at tp_size 4
 
 
 @pytest.mark.parametrize("tp_size", [1, 2, 4])
 def test_gpt_bigcode_training_step(ranks, gpt_bigcode, tp_size):
     path, refs = gpt_bigcode
     reduced = ranks.run(tp_size, check_training_step, path, tp_size, **refs, timeout=240)
-    assert reduced == [0 if tp_size == 1 else 2] * tp_size  # multi-query: replicated from tp_size 2
+    assert set(reduced) == {0 if tp_size == 1 else 2}  # multi-query: replicated from tp_size 2
 
 
 @pytest.mark.parametrize("tp_size", [1, 2, 4])
