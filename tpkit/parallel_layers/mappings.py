@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _resolve_process_group
 
 from .state import TPGroup, _resolve_tp_group
 
@@ -41,6 +40,9 @@ def _all_reduce_copy(input_: torch.Tensor, group_name: str) -> torch.Tensor:
     alone came out of the graph with no gradient (zeros on CUDA with NCCL, torch 2.11), the function's
     backward never running.
     """
+    # Here, not at the top: torch builds without distributed support lack the module (and reduce nothing).
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
     output = input_.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(output, group=_resolve_process_group(group_name))
     return output
