@@ -68,6 +68,13 @@ def make_bart_checkpoint(path: str | os.PathLike, *, max_shard_size: int | str |
     return make_checkpoint(BartForConditionalGeneration, config, path, seed, max_shard_size)
 
 
+def random_token_ids(vocab_size: int, *shapes: tuple[int, ...], seed: int) -> list[torch.Tensor]:
+    """One tensor of token ids per shape, drawn from [3, vocab_size): clear of the special ids below 3
+    (BART's BOS 0, pad 1 and EOS 2), so that no model masks or stops on them."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab_size, shape, generator=generator) for shape in shapes]
+
+
 def make_checkpoint(model_class: type[PreTrainedModel], config: object, path: str | os.PathLike,
                     seed: int = 0, max_shard_size: int | str | None = None) -> PreTrainedModel:
     """Any transformers model class and config, randomised and saved like the factories above."""

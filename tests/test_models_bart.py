@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from checkpoints import make_bart_checkpoint
+from checkpoints import make_bart_checkpoint, random_token_ids
 from model_parity import hf_greedy, run_parity
 
 from tpkit.models import from_pretrained
@@ -24,9 +24,7 @@ MAX_NEW_TOKENS = 32
 def bart(tmp_path_factory):
     path = tmp_path_factory.mktemp("bart")
     hf_model = make_bart_checkpoint(path, scale_embedding=True)
-    generator = torch.Generator().manual_seed(1)
-    input_ids = torch.randint(3, hf_model.config.vocab_size, (2, 11), generator=generator)
-    decoder_input_ids = torch.randint(3, hf_model.config.vocab_size, (2, 7), generator=generator)
+    input_ids, decoder_input_ids = random_token_ids(hf_model.config.vocab_size, (2, 11), (2, 7), seed=1)
     with torch.no_grad():
         logits = hf_model(input_ids=input_ids, decoder_input_ids=decoder_input_ids).logits
     refs = {"forward_args": (input_ids, decoder_input_ids), "ref_logits": logits, "prompts": PROMPTS,

@@ -15,7 +15,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from checkpoints import make_bart_checkpoint, make_gpt_bigcode_checkpoint, make_llama_checkpoint
+from checkpoints import (
+    make_bart_checkpoint,
+    make_gpt_bigcode_checkpoint,
+    make_llama_checkpoint,
+    random_token_ids,
+)
 from multirank import device
 
 # float32, summed in other orders across ranks and against transformers: relative, and absolute against the
@@ -84,11 +89,8 @@ def check_training_step(path: str, tp_size: int, forward_args: tuple[torch.Tenso
 
 
 def _decoder_only(hf_model) -> dict:
-    generator = torch.Generator().manual_seed(2)
-    input_ids = torch.randint(3, hf_model.config.vocab_size, (2, 13), generator=generator)
-    # Each position predicts the next token; the last one a random token.
-    labels = torch.cat([input_ids[:, 1:], torch.randint(3, hf_model.config.vocab_size, (2, 1),
-                                                        generator=generator)], dim=1)
+    input_ids, last = random_token_ids(hf_model.config.vocab_size, (2, 13), (2, 1), seed=2)
+    labels = torch.cat([input_ids[:, 1:], last], dim=1)  # each position predicts the next token
     return _references(hf_model, {"input_ids": input_ids}, labels)
 
 
@@ -110,10 +112,8 @@ def gpt_bigcode(tmp_path_factory):
 def bart(tmp_path_factory):
     path = tmp_path_factory.mktemp("bart_train")
     hf_model = make_bart_checkpoint(path, scale_embedding=True)
-    generator = torch.Generator().manual_seed(3)
-    input_ids = torch.randint(3, hf_model.config.vocab_size, (2, 11), generator=generator)
-    decoder_input_ids = torch.randint(3, hf_model.config.vocab_size, (2, 7), generator=generator)
-    labels = torch.randint(3, hf_model.config.vocab_size, (2, 7), generator=generator)
+    vocab_size = hf_model.config.vocab_size
+    input_ids, decoder_input_ids, labels = random_token_ids(vocab_size, (2, 11), (2, 7), (2, 7), seed=3)
     return str(path), _references(hf_model, {"input_ids": input_ids, "decoder_input_ids": decoder_input_ids},
                                   labels)
 
