@@ -1,0 +1,120 @@
+"""Train a tensor-parallel Llama for a few steps, step for step with transformers training the whole model.
+
+    python examples/train_tp.py                           # 2 CPU ranks (gloo)
+    torchrun --nproc-per-node 2 examples/train_tp.py      # 2 GPUs (NCCL), or CPU ranks without
+
+A small Llama with one KV head (multi-query, so every rank holds a replica of it) is written with random
+weights in HuggingFace format. Every rank loads its shard with ``from_pretrained`` and, as the reference,
+the whole model into transformers. Both learn the same batches (each token the one before it plus one,
+modulo the vocabulary) with the same AdamW: ``model(input_ids)`` (every position's logits, no cache),
+cross-entropy, backward, ``reduce_kv_replica_grads`` (each replica of the KV head holds only its own query
+heads' share of the gradient), step. AdamW works element by element, so each rank steps its shard alone.
+The two losses agree at every step, and fall; the KV head's replicas stay equal.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tpkit.models import from_pretrained
+from tpkit.parallel_layers import init_tensor_parallel, reduce_kv_replica_grads
+
+CONFIG = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=128,
+              tie_word_embeddings=False)
+STEPS, BATCH, SEQ_LEN, LR = 30, 8, 32, 3e-3
+
+
+def write_checkpoint(path: str) -> None:
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**CONFIG)).save_pretrained(path)
+
+
+def batches(device: torch.device):
+    """``(input_ids, labels)`` ``[BATCH, SEQ_LEN]`` each: runs of consecutive ids from random starts, the same
+    on every rank."""
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(STEPS):
+        start = torch.randint(0, CONFIG["vocab_size"], (BATCH, 1), generator=generator)
+        ids = (start + torch.arange(SEQ_LEN + 1)) % CONFIG["vocab_size"]
+        yield ids[:, :-1].to(device), ids[:, 1:].to(device)
+
+
+def loss_of(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def run(path: str, device: torch.device) -> None:
+    tp = init_tensor_parallel()
+    model = from_pretrained(path, device=device).train()
+    reference = LlamaForCausalLM.from_pretrained(path).to(device).train()
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=0.01) for m in (model, reference)]
+    losses = []
+    for step, (input_ids, labels) in enumerate(batches(device)):
+        loss = loss_of(model(input_ids), labels)
+        loss.backward()
+        reduce_kv_replica_grads(model)
+        ref_loss = loss_of(reference(input_ids).logits, labels)
+        ref_loss.backward()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append((loss.item(), ref_loss.item()))
+        if tp.rank == 0 and (step % 5 == 0 or step == STEPS - 1):
+            print(f"step {step:2d}: loss {loss.item():.4f} (tp_size {tp.size}), {ref_loss.item():.4f} "
+                  f"(transformers, unsharded)")
+    worst = max(abs(a - b) / b for a, b in losses)
+    assert worst < 1e-3, f"the losses drifted apart: {worst:.2e} relative"
+    first, last = losses[0][0], losses[-1][0]
+    assert last < 0.5 * first, f"the loss did not fall: {first:.3f} -> {last:.3f}"
+    # qkv_proj's k rows: the KV head, the same on every rank.
+    qkv = model.layers[0].self_attn.qkv_proj
+    k_rows = qkv.weight[qkv.q_size:qkv.q_size + qkv.kv_size].detach()
+    replicas = [torch.empty_like(k_rows) for _ in range(tp.size)] if tp.size > 1 else [k_rows]
+    if tp.size > 1:
+        dist.all_gather(replicas, k_rows, group=tp.group)
+    spread = max((r - replicas[0]).abs().max().item() for r in replicas)
+    assert spread == 0.0, f"the KV head's replicas differ by {spread:.2e}"
+    if tp.rank == 0:
+        print(f"{STEPS} steps: the losses agree within {worst:.1e} (relative); the KV head's {tp.size} "
+              f"replicas are equal")
+
+
+def _spawned(rank: int, world_size: int, port: int, path: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    run(path, torch.device("cpu"))
+    dist.barrier()  # leave together: a gloo rank torn down while its peer still talks to it can abort
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    with tempfile.TemporaryDirectory() as checkpoint:
+        if "WORLD_SIZE" in os.environ:  # torchrun: rank 0 writes the checkpoint, every rank reads it
+            on_gpu = torch.cuda.is_available()
+            if on_gpu:
+                torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+            dist.init_process_group("nccl" if on_gpu else "gloo")
+            paths = [checkpoint]
+            dist.broadcast_object_list(paths, src=0)
+            if dist.get_rank() == 0:
+                write_checkpoint(paths[0])
+            dist.barrier()
+            run(paths[0], torch.device("cuda", torch.cuda.current_device()) if on_gpu else
+                torch.device("cpu"))
+            dist.barrier()
+            dist.destroy_process_group()
+        else:
+            write_checkpoint(checkpoint)
+            with socket.socket() as s:  # a free port for the ranks to meet on
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            mp.spawn(_spawned, args=(2, port, checkpoint), nprocs=2)
