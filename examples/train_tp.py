@@ -8,8 +8,9 @@ weights in HuggingFace format. Every rank loads its shard with ``from_pretrained
 the whole model into transformers. Both learn the same batches (each token the one before it plus one,
 modulo the vocabulary) with the same AdamW: ``model(input_ids)`` (every position's logits, no cache),
 cross-entropy, backward, ``reduce_kv_replica_grads`` (each replica of the KV head holds only its own query
-heads' share of the gradient), step. AdamW works element by element, so each rank steps its shard alone.
-The two losses agree at every step, and fall; the KV head's replicas stay equal.
+heads' share of the gradient), ``clip_grad_norm_`` (the whole model's gradient norm, found across the
+ranks), step. AdamW works element by element, so each rank steps its shard alone. The two losses and
+gradient norms agree at every step, and the losses fall; the KV head's replicas stay equal.
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tpkit.models import from_pretrained
-from tpkit.parallel_layers import init_tensor_parallel, reduce_kv_replica_grads
+from tpkit.parallel_layers import clip_grad_norm_, init_tensor_parallel, reduce_kv_replica_grads
 
 CONFIG = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=128,
               tie_word_embeddings=False)
-STEPS, BATCH, SEQ_LEN, LR = 30, 8, 32, 3e-3
+STEPS, BATCH, SEQ_LEN, LR, MAX_NORM = 30, 8, 32, 3e-3, 1.0
 
 
 def write_checkpoint(path: str) -> None:
@@ -57,22 +58,26 @@ def run(path: str, device: torch.device) -> None:
     model = from_pretrained(path, device=device).train()
     reference = LlamaForCausalLM.from_pretrained(path).to(device).train()
     optimizers = [torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=0.01) for m in (model, reference)]
-    losses = []
+    losses, norms = [], []
     for step, (input_ids, labels) in enumerate(batches(device)):
         loss = loss_of(model(input_ids), labels)
         loss.backward()
         reduce_kv_replica_grads(model)
+        norm = clip_grad_norm_(model, MAX_NORM)
         ref_loss = loss_of(reference(input_ids).logits, labels)
         ref_loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
         losses.append((loss.item(), ref_loss.item()))
+        norms.append((norm.item(), ref_norm.item()))
         if tp.rank == 0 and (step % 5 == 0 or step == STEPS - 1):
-            print(f"step {step:2d}: loss {loss.item():.4f} (tp_size {tp.size}), {ref_loss.item():.4f} "
+            print(f"step {step:2d}: loss {loss.item():.4f}, gradient norm {norm.item():.4f} "
+                  f"(tp_size {tp.size}); {ref_loss.item():.4f}, {ref_norm.item():.4f} "
                   f"(transformers, unsharded)")
-    worst = max(abs(a - b) / b for a, b in losses)
-    assert worst < 1e-3, f"the losses drifted apart: {worst:.2e} relative"
+    worst = max(abs(a - b) / b for a, b in losses + norms)
+    assert worst < 1e-3, f"the losses or gradient norms drifted apart: {worst:.2e} relative"
     first, last = losses[0][0], losses[-1][0]
     assert last < 0.5 * first, f"the loss did not fall: {first:.3f} -> {last:.3f}"
     # qkv_proj's k rows: the KV head, the same on every rank.
@@ -84,8 +89,8 @@ def run(path: str, device: torch.device) -> None:
     spread = max((r - replicas[0]).abs().max().item() for r in replicas)
     assert spread == 0.0, f"the KV head's replicas differ by {spread:.2e}"
     if tp.rank == 0:
-        print(f"{STEPS} steps: the losses agree within {worst:.1e} (relative); the KV head's {tp.size} "
-              f"replicas are equal")
+        print(f"{STEPS} steps: the losses and gradient norms agree within {worst:.1e} (relative); the KV "
+              f"head's {tp.size} replicas are equal")
 
 
 def _spawned(rank: int, world_size: int, port: int, path: str) -> None:

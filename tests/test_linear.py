@@ -19,7 +19,6 @@ from tpkit.parallel_layers import (
     TPGroup,
     init_tensor_parallel,
     reduce_from_tp_region,
-    reduce_kv_replica_grads,
 )
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
@@ -206,31 +205,6 @@ def _qkv_layers(tp: TPGroup, device: torch.device) -> None:
                 check_forward_backward(layer, ref, held_rows=rows, grad_weight=weight)
 
 
-def _kv_replica_grads(tp: TPGroup, device: torch.device) -> None:
-    # Every rank's gradients at random; reduce_kv_replica_grads leaves the q rows as they were and gives the
-    # k and v rows the sum over the ranks that hold the same KV head (gathered here, summed naively).
-    head_size = 4
-    for heads, kv_heads, bias in ((4, 4, True), (8, 2, True), (4, 1, False)):
-        layer = QKVParallelLinear(HIDDEN, head_size, heads, kv_heads, bias=bias, device=device)
-        params = [p for p in (layer.weight, layer.bias) if p is not None]
-        generator = torch.Generator().manual_seed(100 * tp.rank + heads)
-        own = [torch.randn(p.shape, generator=generator).to(device) for p in params]
-        for param, grad in zip(params, own, strict=True):
-            param.grad = grad.clone()
-        replicas = layer.num_kv_head_replicas
-        assert replicas == max(1, tp.size // kv_heads)
-        assert reduce_kv_replica_grads(nn.Sequential(layer)) == (replicas > 1)
-        holders = [r for r in range(tp.size) if r // replicas == tp.rank // replicas]
-        for param, grad in zip(params, own, strict=True):
-            every = [grad]
-            if tp.size > 1:
-                every = [torch.empty_like(grad) for _ in range(tp.size)]
-                dist.all_gather(every, grad, group=tp.group)
-            expected = grad.clone()
-            expected[layer.q_size:] = sum(every[r][layer.q_size:] for r in holders)
-            torch.testing.assert_close(param.grad, expected, **TOL)
-
-
 def _row_layers(tp: TPGroup, device: torch.device) -> None:
     r, n = tp.rank, tp.size
     cols = blocks((r * 24 // n, (r + 1) * 24 // n))
@@ -350,7 +324,6 @@ def _check_linear_layers(tp_size: int) -> None:
     torch.manual_seed(0)
     _column_layers(tp, device)
     _qkv_layers(tp, device)
-    _kv_replica_grads(tp, device)
     _row_layers(tp, device)
     _bad_loads(tp, device)
     _bad_sizes(tp)

@@ -39,9 +39,10 @@ def _references(hf_model, forward_args: dict[str, torch.Tensor], labels: torch.T
     loss = _loss(hf_model(**forward_args).logits, labels)
     loss.backward()
     grads = {name: p.grad.clone() for name, p in hf_model.named_parameters(remove_duplicate=False)}
+    every = torch.cat([p.grad.flatten() for p in hf_model.parameters()])  # each parameter once
     hf_model.zero_grad()
     return {"forward_args": tuple(forward_args.values()), "labels": labels, "ref_loss": loss.detach(),
-            "ref_grads": grads}
+            "ref_grads": grads, "ref_norms": (every.norm(), every.abs().max())}
 
 
 def _sharded_like_weights(model, path: str, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -60,11 +61,13 @@ def _sharded_like_weights(model, path: str, grads: dict[str, torch.Tensor]) -> d
 
 
 def check_training_step(path: str, tp_size: int, forward_args: tuple[torch.Tensor, ...], labels: torch.Tensor,
-                        ref_loss: torch.Tensor, ref_grads: dict[str, torch.Tensor]) -> int:
+                        ref_loss: torch.Tensor, ref_grads: dict[str, torch.Tensor],
+                        ref_norms: tuple[torch.Tensor, torch.Tensor]) -> int:
     """On every rank: loss and every parameter's gradient equal transformers', eager and compiled (AOTAutograd
-    gradients, ``fullgraph=True``). Returns how many QKV layers had replicated KV heads to reduce."""
+    gradients, ``fullgraph=True``); the whole model's gradient norms (2 and inf) equal theirs, and clipping to
+    half the 2-norm scales every gradient by a half. Returns how many QKV layers had replicated KV heads."""
     from tpkit.models import from_pretrained
-    from tpkit.parallel_layers import init_tensor_parallel, reduce_kv_replica_grads
+    from tpkit.parallel_layers import clip_grad_norm_, init_tensor_parallel, reduce_kv_replica_grads
 
     init_tensor_parallel(tp_size)
     model = from_pretrained(path, device=device())
@@ -77,13 +80,19 @@ def check_training_step(path: str, tp_size: int, forward_args: tuple[torch.Tenso
         loss.backward()
         reduced = reduce_kv_replica_grads(model)
         torch.testing.assert_close(loss.cpu(), ref_loss, rtol=1e-5, atol=1e-6)
+        norm, max_abs = ref_norms
+        # An inf-norm and a max_norm that clips nothing, then clipping to half the 2-norm.
+        inf_norm = clip_grad_norm_(model, 1e9, float("inf"))
+        torch.testing.assert_close(inf_norm.cpu(), max_abs, rtol=1e-4, atol=0)
+        torch.testing.assert_close(clip_grad_norm_(model, 0.5 * norm.item()).cpu(), norm, rtol=1e-4, atol=0)
+        scale = 0.5 * norm.item() / (norm.item() + 1e-6)
         for name, param in model.named_parameters():
             if not param.requires_grad:  # BART's final_logits_bias, a buffer in transformers
                 assert param.grad is None, f"{name}: a gradient for a frozen parameter"
                 continue
             assert param.grad is not None, f"{name}: no gradient"
-            atol = GRAD_ATOL_OF_MAX * expected[name].abs().max().item()
-            torch.testing.assert_close(param.grad, expected[name], rtol=GRAD_RTOL, atol=atol,
+            atol = GRAD_ATOL_OF_MAX * scale * expected[name].abs().max().item()
+            torch.testing.assert_close(param.grad, scale * expected[name], rtol=GRAD_RTOL, atol=atol,
                                        msg=lambda m, name=name: f"{name}: {m}")
     return reduced
 

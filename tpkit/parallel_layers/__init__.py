@@ -8,13 +8,13 @@ full checkpoint tensor (a ``torch.Tensor`` or a lazy handle that reads only the 
 
 from ._init import skip_init
 from .cross_qkv import QKVCrossParallelLinear
+from .grads import clip_grad_norm_, reduce_kv_replica_grads
 from .linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
-    reduce_kv_replica_grads,
 )
 from .linear_op import LinearOp, set_linear_op
 from .mappings import copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region, scatter_to_tp_region
@@ -39,6 +39,7 @@ __all__ = [
     "RowParallelLinear",
     "TPGroup",
     "VocabParallelEmbedding",
+    "clip_grad_norm_",
     "copy_to_tp_region",
     "destroy_tensor_parallel",
     "gather_from_tp_region",

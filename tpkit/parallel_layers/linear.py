@@ -89,6 +89,11 @@ class _LinearBase(_UsesLinearOp, _LoadableModule):
         _attach_weight_loaders(self)
         self.reset_parameters()
 
+    def _grad_holders(self, param: nn.Parameter) -> int | torch.Tensor:
+        """How many ranks of the group hold each row of ``param`` (an int, or one a row): gradient norms count
+        every row once. ReplicatedLinear's default: every rank."""
+        return self.tp_size
+
     def _init_bound(self) -> float:
         # nn.Linear's kaiming-uniform bound over the full fan-in, whatever this rank's share of it.
         return 1.0 / math.sqrt(self.input_size)
@@ -151,6 +156,9 @@ class _ColumnParallelBase(_LinearBase):
         self.gather_output = gather_output
         super().__init__(input_size, output_size, input_size, output_size_per_partition, bias=bias,
                          skip_bias_add=skip_bias_add, tp=tp, params_dtype=params_dtype, device=device)
+
+    def _grad_holders(self, param: nn.Parameter) -> int | torch.Tensor:
+        return 1
 
     def _row_pieces(self) -> list[tuple[int, int, int, int]]:
         """(start in this rank's rows, start in the full output, length, block index) for each block of rows.
@@ -291,7 +299,7 @@ class QKVParallelLinear(_ColumnParallelBase):
 
     A replicated KV head's weight gradient on a rank covers only that rank's query heads' use of it; the
     replicas' gradients sum to the full one: in training, call :meth:`reduce_kv_replica_grads` (or
-    :func:`reduce_kv_replica_grads` on the model) after backward.
+    :func:`~tpkit.parallel_layers.reduce_kv_replica_grads` on the model) after backward.
     """
 
     def __init__(
@@ -369,6 +377,12 @@ class QKVParallelLinear(_ColumnParallelBase):
         dst, src, length, _ = self._qkv_piece(loaded_shard_id)
         heads = self.total_num_heads if loaded_shard_id == "q" else self.total_num_kv_heads
         self._load_rows(param, loaded_weight, name, heads * self.head_size, [(dst, src, length)])
+
+    def _grad_holders(self, param: nn.Parameter) -> int | torch.Tensor:
+        # q rows are shards; each KV head's rows sit on its num_kv_head_replicas ranks.
+        holders = torch.ones(self.q_size + 2 * self.kv_size, device=param.device)
+        holders[self.q_size:] = self.num_kv_head_replicas
+        return holders
 
     def reduce_kv_replica_grads(self) -> bool:
         """Sums the k and v rows' gradients (weight and bias) over the ranks that hold the same KV head, so
@@ -448,6 +462,9 @@ class RowParallelLinear(_LinearBase):
         columns = self.input_size_per_partition
         _copy_pieces(param, loaded_weight, 1, [(0, self.tp_rank * columns, columns)])
 
+    def _grad_holders(self, param: nn.Parameter) -> int | torch.Tensor:
+        return 1 if param is self.weight else self.tp_size  # the bias: on every rank
+
     def forward(self, input_: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         # [..., input_size_per_partition] (or [..., input_size]) -> [..., output_size]
         add_bias = self.bias is not None and not self.skip_bias_add
@@ -466,12 +483,3 @@ class RowParallelLinear(_LinearBase):
             elif torch.is_grad_enabled() and self.bias.requires_grad:
                 output = output.add_(self.bias - self.bias.detach())
         return self._with_bias(output)
-
-
-def reduce_kv_replica_grads(module: nn.Module) -> int:
-    """:meth:`QKVParallelLinear.reduce_kv_replica_grads` on every QKV layer in ``module`` (itself included,
-    :class:`~tpkit.parallel_layers.QKVCrossParallelLinear` too): after backward, on every rank, before the
-    optimizer step of a model whose KV heads are replicated (``tp_size`` above ``total_num_kv_heads``).
-    Returns how many layers it reduced."""
-    return sum(layer.reduce_kv_replica_grads() for layer in module.modules()
-               if isinstance(layer, QKVParallelLinear))

@@ -76,6 +76,10 @@ class _VocabParallelBase(_LoadableModule):
         _attach_weight_loaders(self)
         self.reset_parameters()
 
+    def _grad_holders(self, param: nn.Parameter) -> int:
+        """Each row of the weight (and bias) is on one rank (gradient norms count every row once)."""
+        return 1
+
     def _zero_padding(self, param: torch.Tensor) -> None:
         with torch.no_grad():
             param[self.num_real_rows:].zero_()
