@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One call on a machine of several GPUs (nvidia-h200-x2 or -x4): the test suite under torchrun with NCCL,
-# tp parity and scaling of the Llama-3-8B shapes, and loading into GPUs. Each stage has its own time limit;
-# logs and JSON go to $OUT (at most 8 files come back from the device tool: one log a stage, two JSON).
+# One call on a machine of several GPUs (nvidia-h200-x2 or -x4): the test suite and the examples under
+# torchrun with NCCL, tp parity and scaling of the Llama-3-8B shapes, and loading into GPUs. Each stage has
+# its own time limit; logs and JSON go to $OUT (at most 8 files come back from the device tool: one log a
+# stage, two JSON).
 #   bash benchmarks/run_multi_gpu.sh                         # every stage, over all visible GPUs
 #   SKIP="parity loader" NPROC=2 bash benchmarks/run_multi_gpu.sh   # stages take up to 450 s: split calls
 set -uo pipefail
@@ -18,6 +19,9 @@ stage build 150 python3 -c "import torch; from tpkit.attention import _cuda
 _cuda.build(torch.cuda.get_device_capability())"
 stage tests 300 torchrun --nproc-per-node "$NPROC" -m pytest tests -q -p no:cacheprovider --tb=short -rfE \
   -W ignore::UserWarning --ignore tests/test_paged_attention_cuda.py
+# The examples over every GPU with NCCL: a custom model's logits and tokens, a training run beside transformers.
+stage examples 120 bash -c "torchrun --nproc-per-node $NPROC examples/custom_model.py && \
+  torchrun --nproc-per-node $NPROC examples/train_tp.py"
 stage tp_scaling 300 python3 benchmarks/bench_tp_scaling.py --device cuda --shapes 8b --tp-sizes "$TP_SIZES" \
   --cuda-graph --repeats 2 --profile --out "$OUT"
 stage parity 300 python3 benchmarks/check_tp_parity.py --device cuda --shapes 8b --tp-sizes "$TP_SIZES"
@@ -26,6 +30,7 @@ stage loader 450 python3 benchmarks/bench_loader.py --device cuda --tp-sizes "$T
   --json "$OUT/loader_cuda.json"
 
 echo "=== tests"; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/tests.log" | tail -8
+echo "=== examples"; grep -E "^tp_size|steps:|Error" "$OUT/examples.log" | tail -4
 echo "=== tp_scaling"; grep -A12 "^ tp batch" "$OUT/tp_scaling.log"
 echo "=== parity"; tail -8 "$OUT/parity.log"
 echo "=== loader"; sed -n '/^| goal/,$p' "$OUT/loader.log"
