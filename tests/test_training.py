@@ -3,11 +3,12 @@ compiled.
 
 The parent computes transformers' loss and the gradient of every parameter, by checkpoint name. Each rank
 loads its shard, runs the same loss forward and backward (through ``torch.compile`` too), sums the
-replicated KV heads' gradients (``reduce_kv_replica_grads``), and compares each parameter's gradient with
-transformers' gradient sharded as the weights are: loaded through the model's own ``load_weights`` into a
-zeroed copy of the model. Llama with GQA (KV heads replicated at tp_size 4), tied embeddings and biases;
-GPT-BigCode with multi-query attention (replicated at 2 and 4) and its fused ``c_attn``; BART, whose
-cross-attention is ``QKVCrossParallelLinear``.
+replicated KV heads' gradients (``reduce_kv_replica_grads``), checks the whole model's gradient norms and
+clipping (``clip_grad_norm_``), and compares each parameter's gradient with transformers' gradient sharded
+as the weights are: loaded through the model's own ``load_weights`` into a zeroed copy of the model.
+Llama with GQA (KV heads replicated at tp_size 4), tied embeddings and biases; GPT-BigCode with
+multi-query attention (replicated at 2 and 4) and its fused ``c_attn``; BART, whose cross-attention is
+``QKVCrossParallelLinear``.
 """
 
 from __future__ import annotations
