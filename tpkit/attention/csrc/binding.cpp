@@ -11,7 +11,6 @@
 #include <map>
 #include <optional>
 #include <string>
-#include <vector>
 
 #include "decode_linear.h"
 #include "paged_attention.h"
@@ -312,17 +311,21 @@ bool fill_decode_linear_args(tpkit_decode_linear_args& a, at::Tensor& out, const
   return true;
 }
 
+// A float64 [num_rows] buffer of the rows' sums of squares (an RMSNorm split across two products), on device.
+void check_row_sums(const char* op, const at::Tensor& t, const char* name, int64_t num_rows,
+                    const at::Device& device) {
+  check_cuda(op, t, name, device);
+  TPKIT_CHECK_VALUE(t.dim() == 1 && t.size(0) == num_rows && t.scalar_type() == at::kDouble, op, " (CUDA): ",
+                    name, ": expected float64 [", num_rows, "], got ", t.scalar_type(), " ", t.sizes());
+}
+
 // A consumer's half of an RMSNorm split across two products (decode_linear.h): each row's product times
 // rsqrt(rms_sums[m] / in_features + eps). rms_sums: float64 [num_rows]; none leaves the product as it is.
 // False where the kernel does not take the tensor.
 bool fill_rms_scale(tpkit_decode_linear_args& a, const std::optional<at::Tensor>& rms_sums, double eps,
                     const at::Device& device, const char* op) {
   if (!rms_sums.has_value()) return true;
-  check_cuda(op, *rms_sums, "rms_sums", device);
-  TPKIT_CHECK_VALUE(rms_sums->dim() == 1 && rms_sums->size(0) == a.num_rows &&
-                        rms_sums->scalar_type() == at::kDouble,
-                    op, " (CUDA): rms_sums: expected float64 [", static_cast<int64_t>(a.num_rows), "], got ",
-                    rms_sums->scalar_type(), " ", rms_sums->sizes());
+  check_row_sums(op, *rms_sums, "rms_sums", a.num_rows, device);
   if (!rms_sums->is_contiguous()) return false;
   a.rms_sums = rms_sums->data_ptr<double>();
   a.eps = static_cast<float>(eps);
@@ -373,13 +376,8 @@ bool decode_linear_residual_norm(at::Tensor out, at::Tensor normed, const at::Te
                         norm_weight.scalar_type() == input.scalar_type(),
                     op, " (CUDA): norm_weight: expected ", input.scalar_type(), " [", features, "], got ",
                     norm_weight.scalar_type(), " ", norm_weight.sizes());
-  std::vector<std::pair<const at::Tensor*, const char*>> buffers{{&sums, "sums"}};
-  if (zero_sums.has_value()) buffers.emplace_back(&*zero_sums, "zero_sums");
-  for (const auto& [t, name] : buffers) {
-    check_cuda(op, *t, name, device);
-    TPKIT_CHECK_VALUE(t->dim() == 1 && t->size(0) == num_rows && t->scalar_type() == at::kDouble, op, " (CUDA): ",
-                      name, ": expected float64 [", num_rows, "], got ", t->scalar_type(), " ", t->sizes());
-  }
+  check_row_sums(op, sums, "sums", num_rows, device);
+  if (zero_sums.has_value()) check_row_sums(op, *zero_sums, "zero_sums", num_rows, device);
   TPKIT_CHECK_VALUE(!zero_sums.has_value() || zero_sums->data_ptr() != sums.data_ptr(),
                     op, " (CUDA): zero_sums: expected another buffer than sums");
   if (!residual.is_contiguous() || !normed.is_contiguous() || !norm_weight.is_contiguous() || !sums.is_contiguous() ||
