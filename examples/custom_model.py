@@ -34,7 +34,8 @@ from tpkit.parallel_layers import (
     init_tensor_parallel,
 )
 
-VOCAB, HIDDEN, HEADS, KV_HEADS, FFN, LAYERS, POSITIONS = 512, 128, 8, 2, 256, 2, 256
+# Heads of 32 (the smallest the CUDA attention kernel takes).
+VOCAB, HIDDEN, HEADS, KV_HEADS, FFN, LAYERS, POSITIONS = 512, 256, 8, 2, 512, 2, 256
 
 
 class Block(nn.Module):

@@ -129,7 +129,7 @@ def test_grads_across_ranks(ranks, tp_size: int) -> None:
     (1.0, -1.0, "norm_type must be positive (or inf), received -1.0"),
 ])
 def test_clip_grad_norm_rejects_bad_arguments(max_norm, norm_type, message):
-    layer = ColumnParallelLinear(4, 8)
+    layer = ColumnParallelLinear(4, 8, tp_group=TPGroup(None, 0, 1))  # also under torchrun
     layer(torch.randn(2, 4)).sum().backward()
     grad = layer.weight.grad.clone()
     with pytest.raises(ValueError, match=re.escape(message)):
