@@ -77,6 +77,18 @@ void fill_shapes(tpkit_paged_attention_args* a, const at::Tensor& query, const a
   a->max_blocks_per_seq = static_cast<int>(block_tables.size(1));
 }
 
+// The caches' strides [num_blocks, block_size, num_kv_heads, head_size], in elements, into any kernel's
+// arguments (the attention's, the cache write's, the decode linear's: they name them alike).
+template <typename Args>
+void fill_cache_strides(Args& a, const at::Tensor& key_cache, const at::Tensor& value_cache) {
+  a.kc_stride_block = key_cache.stride(0);
+  a.kc_stride_token = key_cache.stride(1);
+  a.kc_stride_head = key_cache.stride(2);
+  a.vc_stride_block = value_cache.stride(0);
+  a.vc_stride_token = value_cache.stride(1);
+  a.vc_stride_head = value_cache.stride(2);
+}
+
 // The launch configuration paged_attention would use for these shapes (for benchmarks and notes).
 std::map<std::string, int64_t> plan(const at::Tensor& query, const at::Tensor& key_cache,
                                     const at::Tensor& block_tables) {
@@ -174,12 +186,7 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   a.q_stride_head = q.stride(1);
   a.o_stride_seq = o.stride(0);
   a.o_stride_head = o.stride(1);
-  a.k_stride_block = key_cache.stride(0);
-  a.k_stride_token = key_cache.stride(1);
-  a.k_stride_head = key_cache.stride(2);
-  a.v_stride_block = value_cache.stride(0);
-  a.v_stride_token = value_cache.stride(1);
-  a.v_stride_head = value_cache.stride(2);
+  fill_cache_strides(a, key_cache, value_cache);
   a.bt_stride = bt.stride(0);
   a.scale = static_cast<float>(scale);
   check_launch(tpkit_paged_attention_plan(&a), "paged_attention planning");
@@ -205,12 +212,7 @@ void fill_cache_args(Args& a, at::Tensor& key_cache, at::Tensor& value_cache, co
   a.slot_mapping = slot_mapping.data_ptr<int64_t>();
   a.block_size = static_cast<int>(key_cache.size(1));
   a.num_blocks = key_cache.size(0);
-  a.kc_stride_block = key_cache.stride(0);
-  a.kc_stride_token = key_cache.stride(1);
-  a.kc_stride_head = key_cache.stride(2);
-  a.vc_stride_block = value_cache.stride(0);
-  a.vc_stride_token = value_cache.stride(1);
-  a.vc_stride_head = value_cache.stride(2);
+  fill_cache_strides(a, key_cache, value_cache);
 }
 
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache, at::Tensor value_cache,

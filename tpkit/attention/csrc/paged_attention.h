@@ -35,8 +35,8 @@ typedef struct {
   int num_blocks;
   int64_t q_stride_seq, q_stride_head;
   int64_t o_stride_seq, o_stride_head;
-  int64_t k_stride_block, k_stride_token, k_stride_head;
-  int64_t v_stride_block, v_stride_token, v_stride_head;
+  int64_t kc_stride_block, kc_stride_token, kc_stride_head;
+  int64_t vc_stride_block, vc_stride_token, vc_stride_head;
   int64_t bt_stride;
   float scale;
 

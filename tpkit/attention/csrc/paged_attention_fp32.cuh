@@ -74,8 +74,8 @@ __global__ void __launch_bounds__(kFp32Threads) paged_attention_fp32_kernel(cons
     slope_s[r] = (p.alibi_slopes != nullptr && r < rows_valid) ? p.alibi_slopes[head0 + r] * kLog2e : 0.f;
   }
 
-  const float* k_base = static_cast<const float*>(p.key_cache) + static_cast<int64_t>(kv_head) * p.k_stride_head;
-  const float* v_base = static_cast<const float*>(p.value_cache) + static_cast<int64_t>(kv_head) * p.v_stride_head;
+  const float* k_base = static_cast<const float*>(p.key_cache) + static_cast<int64_t>(kv_head) * p.kc_stride_head;
+  const float* v_base = static_cast<const float*>(p.value_cache) + static_cast<int64_t>(kv_head) * p.vc_stride_head;
   const int* bt_row = p.block_tables + static_cast<int64_t>(seq) * p.bt_stride;
   const int bs_mask = (1 << p.block_size_log2) - 1;
   const float last_pos = static_cast<float>(seq_len - 1);
@@ -91,8 +91,8 @@ __global__ void __launch_bounds__(kFp32Threads) paged_attention_fp32_kernel(cons
       float4 vv = kv;
       if (static_cast<unsigned>(page) < static_cast<unsigned>(p.num_blocks)) {
         const int64_t off = pos & bs_mask;
-        kv = __ldg(reinterpret_cast<const float4*>(k_base + page * p.k_stride_block + off * p.k_stride_token) + c);
-        vv = __ldg(reinterpret_cast<const float4*>(v_base + page * p.v_stride_block + off * p.v_stride_token) + c);
+        kv = __ldg(reinterpret_cast<const float4*>(k_base + page * p.kc_stride_block + off * p.kc_stride_token) + c);
+        vv = __ldg(reinterpret_cast<const float4*>(v_base + page * p.vc_stride_block + off * p.vc_stride_token) + c);
       }
       float* kr = k_s + t * KS + c * 4;
       kr[0] = kv.x;

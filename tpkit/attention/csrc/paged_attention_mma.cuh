@@ -230,8 +230,8 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
   uint4* k_s = q_s + rows * RS;                      // [num_stages][kTileTokens][RS]
   uint4* v_s = k_s + num_stages * kTileTokens * RS;  // [num_stages][kTileTokens][RS]
 
-  const T* k_base = static_cast<const T*>(p.key_cache) + static_cast<int64_t>(kv_head) * p.k_stride_head;
-  const T* v_base = static_cast<const T*>(p.value_cache) + static_cast<int64_t>(kv_head) * p.v_stride_head;
+  const T* k_base = static_cast<const T*>(p.key_cache) + static_cast<int64_t>(kv_head) * p.kc_stride_head;
+  const T* v_base = static_cast<const T*>(p.value_cache) + static_cast<int64_t>(kv_head) * p.vc_stride_head;
   const int* bt_row = p.block_tables + static_cast<int64_t>(seq) * p.bt_stride;
   const int bs_log2 = p.block_size_log2;
   const int bs_mask = (1 << bs_log2) - 1;
@@ -278,10 +278,10 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
   // Block and token strides of the caches in bytes, 32-bit (the binding checks that they fit): a copy's
   // source address is two wide multiply-adds. (With 64-bit strides in elements, the address arithmetic was
   // most of the kernel's instructions: ncu on C1 counted 18 IMADs per cp.async.)
-  const uint32_t k_block_bytes = static_cast<uint32_t>(p.k_stride_block * sizeof(T));
-  const uint32_t k_token_bytes = static_cast<uint32_t>(p.k_stride_token * sizeof(T));
-  const uint32_t v_block_bytes = static_cast<uint32_t>(p.v_stride_block * sizeof(T));
-  const uint32_t v_token_bytes = static_cast<uint32_t>(p.v_stride_token * sizeof(T));
+  const uint32_t k_block_bytes = static_cast<uint32_t>(p.kc_stride_block * sizeof(T));
+  const uint32_t k_token_bytes = static_cast<uint32_t>(p.kc_stride_token * sizeof(T));
+  const uint32_t v_block_bytes = static_cast<uint32_t>(p.vc_stride_block * sizeof(T));
+  const uint32_t v_token_bytes = static_cast<uint32_t>(p.vc_stride_token * sizeof(T));
   // Loader threads and their chunk: with C dividing kLoaderThreads, a thread keeps its chunk from copy to
   // copy and steps kLoaderThreads / C tokens.
   constexpr bool kFixedChunk = kLoaderThreads % C == 0;

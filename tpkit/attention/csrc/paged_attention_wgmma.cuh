@@ -86,8 +86,8 @@ __global__ void __launch_bounds__(kWgmmaThreads * WARPGROUPS, WARPGROUPS == 1 ? 
   const int num_stages = p.num_stages;
   const uint32_t kv_s = kv_s0 + wg * num_stages * kStageBytes;  // this warpgroup's stages
 
-  const T* k_base = static_cast<const T*>(p.key_cache) + static_cast<int64_t>(kv_head) * p.k_stride_head;
-  const T* v_base = static_cast<const T*>(p.value_cache) + static_cast<int64_t>(kv_head) * p.v_stride_head;
+  const T* k_base = static_cast<const T*>(p.key_cache) + static_cast<int64_t>(kv_head) * p.kc_stride_head;
+  const T* v_base = static_cast<const T*>(p.value_cache) + static_cast<int64_t>(kv_head) * p.vc_stride_head;
   const int* bt_row = p.block_tables + static_cast<int64_t>(seq) * p.bt_stride;
   const int bs_log2 = p.block_size_log2;
   const int bs_mask = (1 << bs_log2) - 1;
@@ -127,10 +127,10 @@ __global__ void __launch_bounds__(kWgmmaThreads * WARPGROUPS, WARPGROUPS == 1 ? 
   const int block_tiles = end > start ? (end - start + kTileTokens - 1) / kTileTokens : 0;
   const int num_tiles = (block_tiles - wg + WARPGROUPS - 1) / WARPGROUPS;  // this warpgroup's
 
-  const uint32_t k_block_bytes = static_cast<uint32_t>(p.k_stride_block * sizeof(T));
-  const uint32_t k_token_bytes = static_cast<uint32_t>(p.k_stride_token * sizeof(T));
-  const uint32_t v_block_bytes = static_cast<uint32_t>(p.v_stride_block * sizeof(T));
-  const uint32_t v_token_bytes = static_cast<uint32_t>(p.v_stride_token * sizeof(T));
+  const uint32_t k_block_bytes = static_cast<uint32_t>(p.kc_stride_block * sizeof(T));
+  const uint32_t k_token_bytes = static_cast<uint32_t>(p.kc_stride_token * sizeof(T));
+  const uint32_t v_block_bytes = static_cast<uint32_t>(p.vc_stride_block * sizeof(T));
+  const uint32_t v_token_bytes = static_cast<uint32_t>(p.vc_stride_token * sizeof(T));
   const int chunk = tid % C;  // each thread copies one chunk of every 8th token
   const uint64_t k_row = reinterpret_cast<uint64_t>(k_base) + chunk * 16;
   const uint64_t v_row = reinterpret_cast<uint64_t>(v_base) + chunk * 16;
