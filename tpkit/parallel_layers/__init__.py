@@ -18,6 +18,12 @@ from .linear import (
 )
 from .linear_op import LinearOp, set_linear_op
 from .mappings import copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region, scatter_to_tp_region
+from .random import (
+    get_tensor_parallel_rng_state,
+    seed_tensor_parallel,
+    set_tensor_parallel_rng_state,
+    tensor_parallel_rng,
+)
 from .state import (
     TPGroup,
     destroy_tensor_parallel,
@@ -45,12 +51,16 @@ __all__ = [
     "gather_from_tp_region",
     "get_tp_group",
     "get_tp_rank",
+    "get_tensor_parallel_rng_state",
     "get_tp_size",
     "init_tensor_parallel",
     "pad_vocab_size",
     "reduce_from_tp_region",
     "reduce_kv_replica_grads",
     "scatter_to_tp_region",
+    "seed_tensor_parallel",
     "set_linear_op",
+    "set_tensor_parallel_rng_state",
     "skip_init",
+    "tensor_parallel_rng",
 ]

@@ -229,11 +229,15 @@ def init_tensor_parallel(
 
 
 def destroy_tensor_parallel() -> None:
-    """Forgets the tensor-parallel group and destroys the process groups that init created (only those).
+    """Forgets the tensor-parallel group, and the generator state seeded for it (``seed_tensor_parallel``),
+    and destroys the process groups that init created (only those).
 
     A no-op when tensor parallelism is not initialised.
     """
+    from .random import _forget_tensor_parallel_rng  # random imports this module
+
     global _tp_group, _created_group, _created_default_group
+    _forget_tensor_parallel_rng()
     created_group, created_default = _created_group, _created_default_group
     _tp_group, _created_group, _created_default_group = None, None, False
     if created_default:

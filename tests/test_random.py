@@ -1,0 +1,136 @@
+"""Generator states under tensor parallelism (tpkit.parallel_layers.random): one stream on every rank outside
+tensor_parallel_rng(), each rank's own inside it, both against generators seeded independently; dropout of
+replicated and sharded activations; tp_size 1, 2, 4."""
+
+from __future__ import annotations
+
+import re
+
+import multirank
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tpkit.parallel_layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    get_tensor_parallel_rng_state,
+    init_tensor_parallel,
+    seed_tensor_parallel,
+    set_tensor_parallel_rng_state,
+    tensor_parallel_rng,
+)
+
+SEED = 1234
+
+
+def _gathered(x: torch.Tensor) -> list[torch.Tensor]:
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.contiguous())
+    return parts
+
+
+def _draws(generator: torch.Generator | None, device: torch.device) -> list[torch.Tensor]:
+    return [torch.rand(8, generator=generator, device=device) for _ in range(2)]
+
+
+def _check_streams(tp_size: int) -> None:
+    with pytest.raises(RuntimeError, match="seed_tensor_parallel"):  # the worker forgot the last test's seed
+        with tensor_parallel_rng():
+            pass
+    tp = init_tensor_parallel()
+    assert tp.size == tp_size
+    device = multirank.device()
+
+    # Outside the block the shared stream, as if the block drew nothing; inside it the rank's own.
+    seed_tensor_parallel(SEED)
+    before = torch.rand(8, device=device)
+    with tensor_parallel_rng():
+        own = _draws(None, device)
+    after = torch.rand(8, device=device)
+    shared = torch.Generator(device).manual_seed(SEED)
+    torch.testing.assert_close([before, after], _draws(shared, device), rtol=0, atol=0)
+    rank_stream = torch.Generator(device).manual_seed(SEED + 2718 + tp.rank)
+    torch.testing.assert_close(own, _draws(rank_stream, device), rtol=0, atol=0)
+
+    # A second block continues the rank's stream where the first left it.
+    seed_tensor_parallel(SEED)
+    with tensor_parallel_rng():
+        first = torch.rand(8, device=device)
+    with tensor_parallel_rng():
+        second = torch.rand(8, device=device)
+    rank_stream = torch.Generator(device).manual_seed(SEED + 2718 + tp.rank)
+    torch.testing.assert_close([first, second], _draws(rank_stream, device), rtol=0, atol=0)
+
+    # Saved and restored around a block, the block draws the same again (activation recomputation).
+    state = get_tensor_parallel_rng_state()
+    with tensor_parallel_rng():
+        once = torch.rand(8, device=device)
+    set_tensor_parallel_rng_state(state)
+    with tensor_parallel_rng():
+        again = torch.rand(8, device=device)
+    torch.testing.assert_close(again, once, rtol=0, atol=0)
+
+    with tensor_parallel_rng(), pytest.raises(RuntimeError, match="nested"):
+        with tensor_parallel_rng():
+            pass
+    with pytest.raises(ValueError, match="state must be a dict"):
+        set_tensor_parallel_rng_state({torch.device("meta"): state[next(iter(state))]})
+
+    # Dropout: one mask for a replicated activation, a mask of each rank's own for a sharded one.
+    ones = torch.ones(512, device=device)
+    replicated = F.dropout(ones, 0.5)
+    with tensor_parallel_rng():
+        sharded = F.dropout(ones, 0.5)
+    for mask in _gathered(replicated):
+        torch.testing.assert_close(mask, replicated, rtol=0, atol=0)
+    masks = _gathered(sharded)
+    for i in range(tp.size):
+        for j in range(i):
+            assert not torch.equal(masks[i], masks[j]), (i, j)
+
+
+def _block_outputs(seed: int) -> torch.Tensor:
+    """An MLP block's output on every rank: dropout of the column-parallel (sharded) activation in the rank's
+    stream, of the row-parallel (replicated) output in the shared one."""
+    device = multirank.device()
+    weights = torch.Generator().manual_seed(0)
+    column = ColumnParallelLinear(16, 32, bias=False, device=device)
+    row = RowParallelLinear(32, 16, bias=False, device=device)
+    for layer, shape in ((column, (32, 16)), (row, (16, 32))):
+        layer.weight.weight_loader(layer.weight, torch.randn(*shape, generator=weights))
+    x = torch.randn(4, 16, generator=weights).to(device)
+    seed_tensor_parallel(seed)
+    with torch.no_grad():
+        with tensor_parallel_rng():
+            hidden = F.dropout(column(x), 0.5)
+        return torch.stack(_gathered(F.dropout(row(hidden), 0.5)))
+
+
+def _check_block(tp_size: int) -> None:
+    tp = init_tensor_parallel()
+    assert tp.size == tp_size
+    outputs = _block_outputs(SEED)
+    for output in outputs:
+        torch.testing.assert_close(output, outputs[0], rtol=0, atol=0)
+    if tp.size > 1:
+        # A seed that differs from rank to rank (the mistake the shared seed prevents): the copies differ.
+        outputs = _block_outputs(SEED + tp.rank)
+        assert not torch.equal(outputs[0], outputs[1])
+
+
+@pytest.mark.parametrize("tp_size", [1, 2, 4])
+def test_streams_across_ranks(ranks, tp_size: int) -> None:
+    ranks.run(tp_size, _check_streams, tp_size)
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_replicated_output_agrees_across_ranks(ranks, tp_size: int) -> None:
+    ranks.run(tp_size, _check_block, tp_size)
+
+
+@pytest.mark.parametrize("seed", [-1, 1.5, True, "7"])
+def test_seed_must_be_a_non_negative_int(seed) -> None:
+    with pytest.raises(ValueError, match=re.escape(f"seed must be a non-negative int, received {seed!r}")):
+        seed_tensor_parallel(seed)

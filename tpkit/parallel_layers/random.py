@@ -1,0 +1,116 @@
+"""Random numbers under tensor parallelism: one dropout mask where activations are replicated, independent
+masks where they are sharded.
+
+A tensor-parallel model holds some activations whole on every rank (the residual stream, a row-parallel
+layer's reduced output) and others split across the ranks (a column-parallel layer's output, a rank's
+attention heads). Dropout of a replicated activation must draw the same mask on every rank, or the copies
+that the next layers take to be equal drift apart. Dropout of a sharded activation must draw masks that
+differ from rank to rank, or every rank drops the same positions of its shard, a correlation no unsharded
+model has. As in Megatron-LM: every rank seeds its default generators alike, and a second generator state,
+seeded per rank, is swapped in around the dropout of sharded activations::
+
+    init_tensor_parallel()
+    seed_tensor_parallel(1234)                    # on every rank, the same seed
+    x = F.dropout(row_parallel(h), 0.1)           # replicated: the default generators, one mask
+    with tensor_parallel_rng():
+        a = F.dropout(column_parallel(x), 0.1)    # sharded: this rank's own stream
+
+The generators are the CPU's and, where CUDA is available, the current device's. Activation recomputation
+(``torch.utils.checkpoint``) restores the default generators' state, not this one: save it with
+:func:`get_tensor_parallel_rng_state` before the recomputed region and restore it with
+:func:`set_tensor_parallel_rng_state` before recomputing, so the sharded masks are drawn again alike.
+``torch.compile`` breaks its graph at the block: a generator's state cannot be traced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from .state import TPGroup, _resolve_tp_group
+
+# Keeps the per-rank seeds (seed + offset + tp_rank) away from the shared seed and its neighbours.
+_TP_SEED_OFFSET = 2718
+
+# This rank's tensor-parallel generator state, by generator device; None until seed_tensor_parallel.
+_tp_states: dict[torch.device, torch.Tensor] | None = None
+_forked = False
+
+
+def _default_generators() -> list[torch.Generator]:
+    generators = [torch.default_generator]
+    if torch.cuda.is_available():
+        torch.cuda.init()
+        generators.append(torch.cuda.default_generators[torch.cuda.current_device()])
+    return generators
+
+
+def seed_tensor_parallel(seed: int, tp_group: TPGroup | dist.ProcessGroup | DeviceMesh | None = None) -> None:
+    """Seeds the default generators with ``seed`` (the same on every rank) and this rank's tensor-parallel
+    state with ``seed + 2718 + tp_rank``. Call it on every rank with the same seed."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, received {seed!r}")
+    tp = _resolve_tp_group(tp_group)
+    torch.manual_seed(seed)
+    states = {}
+    for generator in _default_generators():
+        shared = generator.get_state()
+        generator.manual_seed(seed + _TP_SEED_OFFSET + tp.rank)
+        states[generator.device] = generator.get_state()
+        generator.set_state(shared)
+    global _tp_states
+    _tp_states = states
+
+
+def _require_seeded() -> dict[torch.device, torch.Tensor]:
+    if _tp_states is None:
+        raise RuntimeError("the tensor-parallel generator state is not seeded: call "
+                           "seed_tensor_parallel(seed) on every rank first")
+    return _tp_states
+
+
+@contextlib.contextmanager
+def tensor_parallel_rng() -> Iterator[None]:
+    """Draws from this rank's tensor-parallel stream inside the block (dropout of sharded activations); after
+    it the default generators continue as if the block had drawn nothing. Not nestable."""
+    global _forked
+    states = _require_seeded()
+    if _forked:
+        raise RuntimeError("tensor_parallel_rng() is already active: the block cannot be nested")
+    generators = [g for g in _default_generators() if g.device in states]
+    shared = [g.get_state() for g in generators]
+    for generator in generators:
+        generator.set_state(states[generator.device])
+    _forked = True
+    try:
+        yield
+    finally:
+        for generator, state in zip(generators, shared, strict=True):
+            states[generator.device] = generator.get_state()
+            generator.set_state(state)
+        _forked = False
+
+
+def get_tensor_parallel_rng_state() -> dict[torch.device, torch.Tensor]:
+    """A copy of this rank's tensor-parallel generator state (for activation recomputation)."""
+    return {device: state.clone() for device, state in _require_seeded().items()}
+
+
+def set_tensor_parallel_rng_state(state: dict[torch.device, torch.Tensor]) -> None:
+    """Restores a state from :func:`get_tensor_parallel_rng_state`."""
+    current = _require_seeded()
+    if not isinstance(state, dict) or state.keys() != current.keys():
+        received = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"state must be a dict from get_tensor_parallel_rng_state() for devices "
+                         f"{sorted(map(str, current))}, received {received}")
+    current.update({device: value.clone() for device, value in state.items()})
+
+
+def _forget_tensor_parallel_rng() -> None:
+    """Drops the seeded state (the group it was seeded for is gone)."""
+    global _tp_states, _forked
+    _tp_states, _forked = None, False
