@@ -81,7 +81,11 @@ def tensor_parallel_rng() -> Iterator[None]:
     states = _require_seeded()
     if _forked:
         raise RuntimeError("tensor_parallel_rng() is already active: the block cannot be nested")
-    generators = [g for g in _default_generators() if g.device in states]
+    generators = _default_generators()
+    unseeded = [str(g.device) for g in generators if g.device not in states]
+    if unseeded:
+        raise RuntimeError(f"seed_tensor_parallel seeded the generators of {sorted(map(str, states))}, "
+                           f"not of {unseeded}: call it after torch.cuda.set_device")
     shared = [g.get_state() for g in generators]
     for generator in generators:
         generator.set_state(states[generator.device])
