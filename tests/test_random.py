@@ -1,6 +1,6 @@
 """Generator states under tensor parallelism (tpkit.parallel_layers.random): one stream on every rank outside
 tensor_parallel_rng(), each rank's own inside it, both against generators seeded independently; dropout of
-replicated and sharded activations; tp_size 1, 2, 4."""
+replicated and sharded activations; activation recomputation drawing the same masks; tp_size 1, 2, 4."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from tpkit.parallel_layers import (
     ColumnParallelLinear,
     RowParallelLinear,
+    checkpoint,
     get_tensor_parallel_rng_state,
     init_tensor_parallel,
     seed_tensor_parallel,
@@ -91,21 +93,30 @@ def _check_streams(tp_size: int) -> None:
             assert not torch.equal(masks[i], masks[j]), (i, j)
 
 
-def _block_outputs(seed: int) -> torch.Tensor:
-    """An MLP block's output on every rank: dropout of the column-parallel (sharded) activation in the rank's
-    stream, of the row-parallel (replicated) output in the shared one."""
+def _mlp_block() -> tuple[ColumnParallelLinear, RowParallelLinear, torch.Tensor]:
+    """A column- then row-parallel block with the same full weights on every rank, and its input."""
     device = multirank.device()
     weights = torch.Generator().manual_seed(0)
     column = ColumnParallelLinear(16, 32, bias=False, device=device)
     row = RowParallelLinear(32, 16, bias=False, device=device)
     for layer, shape in ((column, (32, 16)), (row, (16, 32))):
         layer.weight.weight_loader(layer.weight, torch.randn(*shape, generator=weights))
-    x = torch.randn(4, 16, generator=weights).to(device)
+    return column, row, torch.randn(4, 16, generator=weights).to(device)
+
+
+def _dropped(column: ColumnParallelLinear, row: RowParallelLinear, x: torch.Tensor) -> torch.Tensor:
+    """Dropout of the column-parallel (sharded) activation in the rank's stream, of the row-parallel
+    (replicated) output in the shared one."""
+    with tensor_parallel_rng():
+        hidden = F.dropout(column(x), 0.5)
+    return F.dropout(row(hidden), 0.5)
+
+
+def _block_outputs(seed: int) -> torch.Tensor:
+    column, row, x = _mlp_block()
     seed_tensor_parallel(seed)
     with torch.no_grad():
-        with tensor_parallel_rng():
-            hidden = F.dropout(column(x), 0.5)
-        return torch.stack(_gathered(F.dropout(row(hidden), 0.5)))
+        return torch.stack(_gathered(_dropped(column, row, x)))
 
 
 def _check_block(tp_size: int) -> None:
@@ -118,6 +129,31 @@ def _check_block(tp_size: int) -> None:
         # A seed that differs from rank to rank (the mistake the shared seed prevents): the copies differ.
         outputs = _block_outputs(SEED + tp.rank)
         assert not torch.equal(outputs[0], outputs[1])
+
+
+def _step(recompute) -> list[torch.Tensor]:
+    """Output and gradients of two dropped-out blocks, the first under `recompute` (or plainly), and the
+    rank's stream after the backward."""
+    column, row, x = _mlp_block()
+    x.requires_grad_(True)
+    seed_tensor_parallel(SEED)
+    first = recompute(_dropped, column, row, x) if recompute else _dropped(column, row, x)
+    out = _dropped(column, row, first)  # draws after the first block's: the recompute must not disturb them
+    out.square().sum().backward()
+    with tensor_parallel_rng():  # the rank's stream goes on after the backward as if nothing was recomputed
+        after = torch.rand(8, device=x.device)
+    return [out.detach(), x.grad, column.weight.grad, row.weight.grad, after]
+
+
+def _check_recompute(tp_size: int) -> None:
+    tp = init_tensor_parallel()
+    assert tp.size == tp_size
+    plain = _step(None)
+    torch.testing.assert_close(_step(checkpoint), plain, rtol=0, atol=0)
+    # torch's own checkpoint restores the shared generators only: the sharded masks are drawn anew.
+    torch_only = _step(lambda fn, *args: torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False))
+    torch.testing.assert_close(torch_only[0], plain[0], rtol=0, atol=0)
+    assert not torch.equal(torch_only[1], plain[1])
 
 
 @pytest.mark.parametrize("tp_size", [1, 2, 4])
@@ -134,3 +170,8 @@ def test_replicated_output_agrees_across_ranks(ranks, tp_size: int) -> None:
 def test_seed_must_be_a_non_negative_int(seed) -> None:
     with pytest.raises(ValueError, match=re.escape(f"seed must be a non-negative int, received {seed!r}")):
         seed_tensor_parallel(seed)
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_recompute_draws_the_same_masks(ranks, tp_size: int) -> None:
+    ranks.run(tp_size, _check_recompute, tp_size)

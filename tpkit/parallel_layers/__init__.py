@@ -19,6 +19,7 @@ from .linear import (
 from .linear_op import LinearOp, set_linear_op
 from .mappings import copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region, scatter_to_tp_region
 from .random import (
+    checkpoint,
     get_tensor_parallel_rng_state,
     seed_tensor_parallel,
     set_tensor_parallel_rng_state,
@@ -45,6 +46,7 @@ __all__ = [
     "RowParallelLinear",
     "TPGroup",
     "VocabParallelEmbedding",
+    "checkpoint",
     "clip_grad_norm_",
     "copy_to_tp_region",
     "destroy_tensor_parallel",

@@ -16,19 +16,20 @@ seeded per rank, is swapped in around the dropout of sharded activations::
         a = F.dropout(column_parallel(x), 0.1)    # sharded: this rank's own stream
 
 The generators are the CPU's and, where CUDA is available, the current device's. Activation recomputation
-(``torch.utils.checkpoint``) restores the default generators' state, not this one: save it with
-:func:`get_tensor_parallel_rng_state` before the recomputed region and restore it with
-:func:`set_tensor_parallel_rng_state` before recomputing, so the sharded masks are drawn again alike.
-``torch.compile`` breaks its graph at the block: a generator's state cannot be traced.
+must draw the same masks again: ``torch.utils.checkpoint`` restores the default generators, and
+:func:`checkpoint` this state too. ``torch.compile`` breaks its graph at the block: a generator's state
+cannot be traced.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 
 from .state import TPGroup, _resolve_tp_group
@@ -112,6 +113,30 @@ def set_tensor_parallel_rng_state(state: dict[torch.device, torch.Tensor]) -> No
         raise ValueError(f"state must be a dict from get_tensor_parallel_rng_state() for devices "
                          f"{sorted(map(str, current))}, received {received}")
     current.update({device: value.clone() for device, value in state.items()})
+
+
+def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)`` that also
+    recomputes ``function`` from the tensor-parallel generator state it first ran from, so the sharded
+    activations' dropout masks are drawn again alike; the stream then continues where it was."""
+    if _tp_states is None:
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
+    before = get_tensor_parallel_rng_state()
+    ran = False
+
+    def run(*inner_args: Any, **inner_kwargs: Any) -> Any:
+        nonlocal ran
+        if not ran:
+            ran = True
+            return function(*inner_args, **inner_kwargs)
+        after = get_tensor_parallel_rng_state()
+        set_tensor_parallel_rng_state(before)
+        try:
+            return function(*inner_args, **inner_kwargs)
+        finally:
+            set_tensor_parallel_rng_state(after)
+
+    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, **kwargs)
 
 
 def _forget_tensor_parallel_rng() -> None:
