@@ -2,7 +2,8 @@
 compiled.
 
 The parent computes transformers' loss and the gradient of every parameter, by checkpoint name. Each rank
-loads its shard, runs the same loss forward and backward (through ``torch.compile`` too), sums the
+loads its shard, runs the same loss forward and backward (through ``torch.compile`` too, and for the
+decoder-only models from each rank's vocabulary columns, ``lm_head.cross_entropy``), sums the
 replicated KV heads' gradients (``reduce_kv_replica_grads``), checks the whole model's gradient norms and
 clipping (``clip_grad_norm_``), and compares each parameter's gradient with transformers' gradient sharded
 as the weights are: loaded through the model's own ``load_weights`` into a zeroed copy of the model.
@@ -65,8 +66,10 @@ def check_training_step(path: str, tp_size: int, forward_args: tuple[torch.Tenso
                         ref_loss: torch.Tensor, ref_grads: dict[str, torch.Tensor],
                         ref_norms: tuple[torch.Tensor, torch.Tensor]) -> int:
     """On every rank: loss and every parameter's gradient equal transformers', eager and compiled (AOTAutograd
-    gradients, ``fullgraph=True``); the whole model's gradient norms (2 and inf) equal theirs, and clipping to
-    half the 2-norm scales every gradient by a half. Returns how many QKV layers had replicated KV heads."""
+    gradients, ``fullgraph=True``), and for decoder-only models with the loss from each rank's vocabulary
+    columns (``lm_head.cross_entropy``); the whole model's gradient norms (2 and inf) equal theirs, and
+    clipping to half the 2-norm scales every gradient by a half. Returns how many QKV layers had replicated
+    KV heads."""
     from tpkit.models import from_pretrained
     from tpkit.parallel_layers import clip_grad_norm_, init_tensor_parallel, reduce_kv_replica_grads
 
@@ -74,10 +77,16 @@ def check_training_step(path: str, tp_size: int, forward_args: tuple[torch.Tenso
     model = from_pretrained(path, device=device())
     expected = _sharded_like_weights(model, path, ref_grads)
     args = tuple(t.to(device()) for t in forward_args)
+    labels = labels.to(device())
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    losses = [lambda: _loss(model(*args), labels), lambda: _loss(compiled(*args), labels)]
+    if hasattr(model, "hidden_states"):  # decoder-only: the loss from each rank's vocabulary columns too
+        positions = torch.arange(args[0].shape[1], device=device()).expand_as(args[0])
+        losses.append(lambda: model.lm_head.cross_entropy(model.hidden_states(args[0], positions), labels))
     reduced = 0
-    for forward in (model, torch.compile(model, backend="aot_eager", fullgraph=True)):
+    for compute_loss in losses:
         model.zero_grad(set_to_none=True)
-        loss = _loss(forward(*args), labels.to(device()))
+        loss = compute_loss()
         loss.backward()
         reduced = reduce_kv_replica_grads(model)
         torch.testing.assert_close(loss.cpu(), ref_loss, rtol=1e-5, atol=1e-6)

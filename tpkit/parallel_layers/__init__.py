@@ -7,6 +7,7 @@ full checkpoint tensor (a ``torch.Tensor`` or a lazy handle that reads only the 
 """
 
 from ._init import skip_init
+from .cross_entropy import vocab_parallel_cross_entropy
 from .cross_qkv import QKVCrossParallelLinear
 from .grads import clip_grad_norm_, reduce_kv_replica_grads
 from .linear import (
@@ -65,4 +66,5 @@ __all__ = [
     "set_tensor_parallel_rng_state",
     "skip_init",
     "tensor_parallel_rng",
+    "vocab_parallel_cross_entropy",
 ]

@@ -26,6 +26,7 @@ from ._loading import (
     _param_name,
     _reject_shard_id,
 )
+from .cross_entropy import vocab_parallel_cross_entropy
 from .linear_op import _UsesLinearOp
 from .mappings import _reduce_from_tp_region_, copy_to_tp_region, gather_from_tp_region
 from .state import TPGroup, _resolve_tp_group
@@ -136,7 +137,9 @@ class VocabParallelEmbedding(_VocabParallelBase):
 class ParallelLMHead(_UsesLinearOp, _VocabParallelBase):
     """The output projection to vocabulary logits, sharded like :class:`VocabParallelEmbedding`.
 
-    :meth:`compute_logits` (also ``forward``) returns ``[..., num_embeddings]`` logits on every rank.
+    :meth:`compute_logits` (also ``forward``) returns ``[..., num_embeddings]`` logits on every rank;
+    :meth:`compute_sharded_logits` this rank's vocabulary columns, and :meth:`cross_entropy` a training loss
+    from them, without gathering.
     :meth:`tie_weights` shares the embedding's weight Parameter (models with tied embeddings); loading the
     embedding then loads the head. The optional bias is sharded and padded like the weight's rows.
     """
@@ -180,14 +183,31 @@ class ParallelLMHead(_UsesLinearOp, _VocabParallelBase):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # [..., embedding_dim] -> [..., num_embeddings]
-        if self.tp_size > 1:
-            hidden_states = copy_to_tp_region(hidden_states, self.tp_group)
-        logits = self.linear_op(hidden_states, self.weight, self.bias)  # [..., num_embeddings_per_partition]
+        logits = self.compute_sharded_logits(hidden_states)
         if self.tp_size > 1:
             logits = gather_from_tp_region(logits, self.tp_group)  # [..., num_embeddings_padded]
         if self.num_embeddings_padded != self.num_embeddings:
             logits = logits[..., : self.num_embeddings]
         return logits
+
+    def compute_sharded_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary columns of the logits: ``[..., embedding_dim]`` -> ``[...,
+        num_embeddings_per_partition]`` (columns ``[vocab_start_index, vocab_end_index)``, padding past
+        ``num_real_rows``)."""
+        if self.tp_size > 1:
+            hidden_states = copy_to_tp_region(hidden_states, self.tp_group)
+        return self.linear_op(hidden_states, self.weight, self.bias)
+
+    def cross_entropy(self, hidden_states: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100,
+                      reduction: str = "mean") -> torch.Tensor:
+        """``F.cross_entropy(self.compute_logits(hidden_states), labels)`` without gathering the logits: each
+        rank keeps its vocabulary columns (:func:`vocab_parallel_cross_entropy`). hidden_states ``[...,
+        embedding_dim]``, labels ``[...]`` int64 (``ignore_index``: no loss); reduction "mean", "sum" or
+        "none"."""
+        logits = self.compute_sharded_logits(hidden_states)
+        return vocab_parallel_cross_entropy(logits, labels, self.vocab_start_index, self.num_real_rows,
+                                            tp_group=self.tp_group, ignore_index=ignore_index,
+                                            reduction=reduction)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.compute_logits(hidden_states)
