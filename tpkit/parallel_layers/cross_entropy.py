@@ -3,8 +3,9 @@
 A training step's loss needs, per token, the log of the sum of exp over the whole vocabulary and the
 label's logit. Gathering the logits first (``ParallelLMHead.compute_logits``) puts ``[tokens, vocab]`` on
 every rank; here each rank keeps its ``[tokens, vocab / tp_size]`` columns and the group exchanges three
-numbers a token: the maximum, the sum of exps and the label's logit, each one all-reduce. The gradient,
-softmax minus the label's one-hot, is this rank's columns alone: the backward communicates nothing.
+numbers a token in two all-reduces: the maximum, then the sum of exps and the label's logit together. The
+gradient, softmax minus the label's one-hot, is this rank's columns alone: the backward communicates
+nothing.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from .mappings import _all_reduce
 from .state import TPGroup, _resolve_tp_group
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -28,21 +30,21 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if num_real_rows < logits.shape[-1]:  # padding columns take no probability
             padding = torch.arange(logits.shape[-1], device=logits.device) >= num_real_rows
             logits = logits.masked_fill(padding, float("-inf"))
-        group = tp.group
         row_max = logits.max(dim=-1).values
         if tp.size > 1:
-            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp.group)
         shifted = logits - row_max[:, None]
         exp = shifted.exp()
-        sum_exp = exp.sum(dim=-1)
         local = labels - vocab_start_index
         ignored = labels == ignore_index
         here = (local >= 0) & (local < num_real_rows) & ~ignored
         column = torch.where(here, local, 0)
         label_logit = torch.where(here, shifted.gather(-1, column[:, None]).squeeze(-1), 0.0)
+        # [2, tokens]: each rank's sum of exps and its share of the label's logit (the label's rank alone)
+        sums = torch.stack([exp.sum(dim=-1), label_logit])
         if tp.size > 1:
-            dist.all_reduce(sum_exp, group=group)
-            dist.all_reduce(label_logit, group=group)
+            _all_reduce(sums, tp)
+        sum_exp, label_logit = sums
         loss = torch.where(ignored, 0.0, sum_exp.log() - label_logit)
         exp.div_(sum_exp[:, None])  # now the softmax
         ctx.save_for_backward(exp, column, here, ignored)
