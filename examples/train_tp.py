@@ -6,8 +6,10 @@
 A small Llama with one KV head (multi-query, so every rank holds a replica of it) is written with random
 weights in HuggingFace format. Every rank loads its shard with ``from_pretrained`` and, as the reference,
 the whole model into transformers. Both learn the same batches (each token the one before it plus one,
-modulo the vocabulary) with the same AdamW: ``model(input_ids)`` (every position's logits, no cache),
-cross-entropy, backward, ``reduce_kv_replica_grads`` (each replica of the KV head holds only its own query
+modulo the vocabulary) with the same AdamW. tpkit's loss comes from every position's final hidden states
+(``model.hidden_states``, no cache) through ``lm_head.cross_entropy``, each rank from its own columns of the
+vocabulary (no rank holds all the logits; transformers' is cross-entropy of the full logits); then
+backward, ``reduce_kv_replica_grads`` (each replica of the KV head holds only its own query
 heads' share of the gradient), ``clip_grad_norm_`` (the whole model's gradient norm, found across the
 ranks), step. AdamW works element by element, so each rank steps its shard alone. The two losses and
 gradient norms agree at every step, and the losses fall; the KV head's replicas stay equal.
@@ -49,8 +51,9 @@ def batches(device: torch.device):
         yield ids[:, :-1].to(device), ids[:, 1:].to(device)
 
 
-def loss_of(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+def vocab_parallel_loss(model, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    return model.lm_head.cross_entropy(model.hidden_states(input_ids, positions), labels)
 
 
 def run(path: str, device: torch.device) -> None:
@@ -60,11 +63,11 @@ def run(path: str, device: torch.device) -> None:
     optimizers = [torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=0.01) for m in (model, reference)]
     losses, norms = [], []
     for step, (input_ids, labels) in enumerate(batches(device)):
-        loss = loss_of(model(input_ids), labels)
+        loss = vocab_parallel_loss(model, input_ids, labels)
         loss.backward()
         reduce_kv_replica_grads(model)
         norm = clip_grad_norm_(model, MAX_NORM)
-        ref_loss = loss_of(reference(input_ids).logits, labels)
+        ref_loss = F.cross_entropy(reference(input_ids).logits.flatten(0, 1), labels.flatten())
         ref_loss.backward()
         ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
         for optimizer in optimizers:
