@@ -4,6 +4,9 @@ Set up the group once with :func:`init_tensor_parallel` (under torchrun, inside 
 torch.distributed, or in a single process), or pass ``tp_group=`` to each layer. Every parameter carries
 ``param.weight_loader(param, loaded_weight, loaded_shard_id=None)`` that copies this rank's shard of a
 full checkpoint tensor (a ``torch.Tensor`` or a lazy handle that reads only the slices asked for).
+Training takes a few steps across the group: :func:`vocab_parallel_cross_entropy` (the loss from each
+rank's vocabulary columns), :func:`reduce_kv_replica_grads`, :func:`clip_grad_norm_`, and for dropout
+:func:`seed_tensor_parallel`, :func:`tensor_parallel_rng` and :func:`checkpoint`.
 """
 
 from ._init import skip_init
