@@ -276,7 +276,8 @@ def _bad_sizes(tp: TPGroup) -> None:
         QKVParallelLinear(HIDDEN, 4, 12, kv_heads)
 
 
-def _gather_params(tensor: torch.Tensor, tp: TPGroup) -> list[torch.Tensor]:
+def gather_ranks(tensor: torch.Tensor, tp: TPGroup) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` (same shape on each), in rank order."""
     parts = [torch.empty_like(tensor) for _ in range(tp.size)]
     dist.all_gather(parts, tensor.contiguous(), group=tp.group)
     return parts
@@ -296,10 +297,10 @@ def _default_init(tp: TPGroup, device: torch.device) -> None:
     assert not torch.equal(merged.weight[:8 // tp.size], merged.weight[8 // tp.size:])
     if tp.size == 1:
         return
-    for shards in (_gather_params(column.weight, tp), _gather_params(row.weight, tp),
-                   _gather_params(qkv.weight[: qkv.q_size], tp)):
+    for shards in (gather_ranks(column.weight, tp), gather_ranks(row.weight, tp),
+                   gather_ranks(qkv.weight[: qkv.q_size], tp)):
         assert not torch.equal(shards[0], shards[1])
-    for copies in (_gather_params(row.bias, tp), _gather_params(qkv.weight[qkv.q_size:], tp)):
+    for copies in (gather_ranks(row.bias, tp), gather_ranks(qkv.weight[qkv.q_size:], tp)):
         assert all(torch.equal(copies[0], c) for c in copies[1:])
 
 

@@ -9,9 +9,9 @@ import re
 import multirank
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 import torch.utils.checkpoint
+from test_linear import gather_ranks
 
 from tpkit.parallel_layers import (
     ColumnParallelLinear,
@@ -25,12 +25,6 @@ from tpkit.parallel_layers import (
 )
 
 SEED = 1234
-
-
-def _gathered(x: torch.Tensor) -> list[torch.Tensor]:
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, x.contiguous())
-    return parts
 
 
 def _draws(generator: torch.Generator | None, device: torch.device) -> list[torch.Tensor]:
@@ -85,9 +79,9 @@ def _check_streams(tp_size: int) -> None:
     replicated = F.dropout(ones, 0.5)
     with tensor_parallel_rng():
         sharded = F.dropout(ones, 0.5)
-    for mask in _gathered(replicated):
+    for mask in gather_ranks(replicated, tp):
         torch.testing.assert_close(mask, replicated, rtol=0, atol=0)
-    masks = _gathered(sharded)
+    masks = gather_ranks(sharded, tp)
     for i in range(tp.size):
         for j in range(i):
             assert not torch.equal(masks[i], masks[j]), (i, j)
@@ -116,7 +110,7 @@ def _block_outputs(seed: int) -> torch.Tensor:
     column, row, x = _mlp_block()
     seed_tensor_parallel(seed)
     with torch.no_grad():
-        return torch.stack(_gathered(_dropped(column, row, x)))
+        return torch.stack(gather_ranks(_dropped(column, row, x), column.tp_group))
 
 
 def _check_block(tp_size: int) -> None:
