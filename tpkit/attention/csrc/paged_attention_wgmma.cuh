@@ -78,8 +78,6 @@ __global__ void __launch_bounds__(kWgmmaThreads * WARPGROUPS, WARPGROUPS == 1 ? 
   const int rows_valid = min(kWgmmaRows, p.group_size - first_row);
   const int head0 = kv_head * p.group_size + first_row;
 
-  grid_wait_primary();
-  const int seq_len_read = p.seq_lens[seq];
   const int capacity = p.max_blocks_per_seq << p.block_size_log2;
   const int start = partition * p.partition_size;
   const int table_end = min(start + p.partition_size, capacity);
@@ -89,9 +87,16 @@ __global__ void __launch_bounds__(kWgmmaThreads * WARPGROUPS, WARPGROUPS == 1 ? 
   const T* k_base = static_cast<const T*>(p.key_cache) + static_cast<int64_t>(kv_head) * p.kc_stride_head;
   const T* v_base = static_cast<const T*>(p.value_cache) + static_cast<int64_t>(kv_head) * p.vc_stride_head;
   const int* bt_row = p.block_tables + static_cast<int64_t>(seq) * p.bt_stride;
+  const T* q_base = static_cast<const T*>(p.query) + static_cast<int64_t>(seq) * p.q_stride_seq;
   const int bs_log2 = p.block_size_log2;
   const int bs_mask = (1 << bs_log2) - 1;
   const int pages_per_tile = kTileTokens >> bs_log2;
+
+  prefetch_prologue<T, kWgmmaHead>(q_base + static_cast<int64_t>(head0) * p.q_stride_head, p.q_stride_head,
+                                   rows_valid, p.seq_lens + seq, bt_row + (start >> bs_log2),
+                                   min(num_stages * WARPGROUPS * pages_per_tile, (table_end - start) >> bs_log2));
+  grid_wait_primary();
+  const int seq_len_read = p.seq_lens[seq];
 
   // A warpgroup's tiles are counted in its own order: its tile t is the block's tile t * WARPGROUPS + wg.
   __shared__ int page_s[WARPGROUPS][kPageRing][kTileTokens / kMinBlockSize];
@@ -104,7 +109,6 @@ __global__ void __launch_bounds__(kWgmmaThreads * WARPGROUPS, WARPGROUPS == 1 ? 
   const bool reads_page = tid < num_stages * pages_per_tile;
   const int first_page = reads_page ? page_of(tid / pages_per_tile, tid % pages_per_tile) : -1;
   {
-    const T* q_base = static_cast<const T*>(p.query) + static_cast<int64_t>(seq) * p.q_stride_seq;
     for (int i = threadIdx.x; i < kWgmmaRows * C; i += kWgmmaThreads * WARPGROUPS) {
       const int r = i / C;
       const int c = i - r * C;

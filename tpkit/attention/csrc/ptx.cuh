@@ -111,6 +111,12 @@ __device__ __forceinline__ void named_barrier_sync() {
   asm volatile("bar.sync %0, %1;\n" ::"n"(ID), "n"(THREADS) : "memory");
 }
 
+// Asks L2 for the 128-byte line holding `ptr`; returns nothing (safe before griddepcontrol.wait: what the
+// previous kernel writes there lands in L2, and the read after the wait sees it).
+__device__ __forceinline__ void prefetch_l2(const void* ptr) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ptr));
+}
+
 // Programmatic dependent launch (sm_90+; no-ops before, and when the launch was not programmatic): the
 // primary grid lets its dependent grid start launching; the dependent waits for the primary's results.
 __device__ __forceinline__ void grid_launch_dependents() {
