@@ -65,6 +65,7 @@ class Attention(nn.Module):
         layer_idx: int = 0,
         metadata: AttentionMetadata | None = None,
         key_lens: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
     ) -> torch.Tensor:
         """Attend ``query`` to ``key``/``value`` or to the cache.
 
@@ -79,9 +80,17 @@ class Attention(nn.Module):
             key_lens: int ``[batch]``, valid keys per sequence (each at least 1), without a cache only. Causal
                 attention needs none for right padding: a valid query never sees a later position. With a
                 cache, the key lengths are ``metadata.seq_lens``.
+            dropout_p: dropout of the attention probabilities (SDPA's), without a cache only: training runs
+                without one, generation never drops. Drawn from the default generators; a tensor-parallel
+                model draws its heads' masks inside ``tensor_parallel_rng()``.
         """
         self._check_hidden("query", query, self.num_heads)
         batch, q_len, _ = query.shape
+        if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p < 1:
+            raise ValueError(f"Attention: dropout_p: expected a probability in [0, 1), got {dropout_p!r}")
+        if dropout_p > 0.0 and kv_cache is not None:
+            raise ValueError(f"Attention: dropout_p: expected 0 with a kv_cache (generation), got "
+                             f"{dropout_p}")
         if (key is None) != (value is None):
             raise ValueError(f"Attention: key, value: expected both tensors or both None, got "
                              f"{type(key).__name__} and {type(value).__name__}")
@@ -95,7 +104,7 @@ class Attention(nn.Module):
         if kv_cache is None:
             if key is None:
                 raise ValueError("Attention: key, value: expected tensors without a kv_cache, got None")
-            return self._sdpa(query, key, value, key_lens)
+            return self._sdpa(query, key, value, key_lens, dropout_p)
         if metadata is None:
             raise ValueError("Attention: metadata: expected the step's AttentionMetadata with a kv_cache, "
                              "got None")
@@ -145,7 +154,7 @@ class Attention(nn.Module):
                              f"{list(tensor.shape)}")
 
     def _sdpa(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              key_lens: torch.Tensor | None) -> torch.Tensor:
+              key_lens: torch.Tensor | None, dropout_p: float = 0.0) -> torch.Tensor:
         batch, q_len, _ = query.shape
         kv_len = key.shape[1]
         group = self.num_heads // self.num_kv_heads
@@ -158,13 +167,14 @@ class Attention(nn.Module):
                 raise ValueError(f"Attention: key: expected kv_len = q_len = {q_len} for causal attention, "
                                  f"got {kv_len}")
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
-                                                 enable_gqa=group > 1)
+                                                 dropout_p=dropout_p, enable_gqa=group > 1)
         else:
             mask = None if key_lens is None else _key_padding_mask(key_lens, batch, kv_len, key.device)
             # Without causality the query heads of one KV head are just more query rows: folding them in
             # shares K/V without copies, on every SDPA backend.
             q = q.reshape(batch, self.num_kv_heads, group * q_len, self.head_size)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
+                                                 dropout_p=dropout_p)
             out = out.view(batch, self.num_heads, q_len, self.head_size)
         return out.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_size)
 

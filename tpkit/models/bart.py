@@ -7,6 +7,9 @@ QKVCrossParallelLinear, then the MLP. The encoder's K/V are computed once per re
 a second paged cache ("cross"); decode steps pass no encoder states and attend to that cache. Learned
 positions with BART's offset of 2, optional sqrt(d_model) embedding scale, layernorm_embedding, embeddings
 tied to the LM head, and ``final_logits_bias`` as the LM head's bias (not trained, as in transformers).
+In training, dropout (``dropout``, ``attention_dropout``, ``activation_dropout``) and layer drop
+(``encoder_layerdrop``, ``decoder_layerdrop``) where transformers applies them; with tp_size > 1 they need
+``seed_tensor_parallel`` first.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from torch import nn
 from tpkit.attention import Attention, AttentionMetadata, PagedKVCache, decode_linear
 from tpkit.loaders import load_weights
 from tpkit.models.activations import get_activation
+from tpkit.models.dropout import attend
 from tpkit.models.generation import PagedLM, parse_eos_token_ids, right_pad
 from tpkit.parallel_layers import (
     ColumnParallelLinear,
@@ -30,6 +34,7 @@ from tpkit.parallel_layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     set_linear_op,
+    tensor_parallel_dropout,
 )
 
 POSITION_OFFSET = 2  # BART's learned positions start at row 2 (fairseq kept two rows for padding)
@@ -48,13 +53,14 @@ class BartAttention(nn.Module):
         self.out_proj = RowParallelLinear(d_model, d_model, bias=True, **factory)
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.attn = Attention(self.qkv_proj.num_heads, head_size, self.qkv_proj.num_kv_heads, causal=causal)
+        self.attention_dropout = config.get("attention_dropout", 0.0)
 
     def forward(self, x: torch.Tensor, *, kv_cache: PagedKVCache | None = None,
                 metadata: AttentionMetadata | None = None,
                 key_lens: torch.Tensor | None = None) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        out = self.attn(q, k, v, kv_cache=kv_cache, layer_idx=self.layer_idx, metadata=metadata,
-                        key_lens=key_lens)
+        out = attend(self.attn, q, k, v, dropout_p=self.attention_dropout, tp_size=self.out_proj.tp_size,
+                     kv_cache=kv_cache, layer_idx=self.layer_idx, metadata=metadata, key_lens=key_lens)
         return self.out_proj(out)
 
 
@@ -71,17 +77,20 @@ class BartCrossAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_size = head_size
         self.attn = Attention(self.qkv_proj.num_heads, head_size, self.num_kv_heads, causal=False)
+        self.attention_dropout = config.get("attention_dropout", 0.0)
 
     def forward(self, x: torch.Tensor, encoder_states: torch.Tensor | None, *,
                 kv_cache: PagedKVCache | None = None,
                 metadata: AttentionMetadata | None = None) -> torch.Tensor:
         q, k, v = self.qkv_proj(x, encoder_states)  # k, v None without encoder states
-        out = self.attn(q, k, v, kv_cache=kv_cache, layer_idx=self.layer_idx, metadata=metadata)
+        out = attend(self.attn, q, k, v, dropout_p=self.attention_dropout, tp_size=self.out_proj.tp_size,
+                     kv_cache=kv_cache, layer_idx=self.layer_idx, metadata=metadata)
         return self.out_proj(out)
 
 
 class _BartLayer(nn.Module):
-    """What encoder and decoder layers share: the MLP (fc1, activation, fc2) and its final LayerNorm."""
+    """What encoder and decoder layers share: the residual dropout after each sublayer, the MLP (fc1,
+    activation, fc2) and its final LayerNorm."""
 
     def __init__(self, config: Mapping[str, Any], ffn_dim: int, factory: dict[str, Any]) -> None:
         super().__init__()
@@ -90,9 +99,18 @@ class _BartLayer(nn.Module):
         self.act = get_activation(config.get("activation_function", "gelu"))
         self.final_layer_norm = nn.LayerNorm(config["d_model"], dtype=factory["params_dtype"],
                                              device=factory["device"])
+        self.dropout = config.get("dropout", 0.0)
+        self.activation_dropout = config.get("activation_dropout", 0.0)
+
+    def _residual_dropout(self, x: torch.Tensor) -> torch.Tensor:
+        """A sublayer's output, [batch, seq, d_model], whole on every rank."""
+        return tensor_parallel_dropout(x, self.dropout, training=self.training, tp_group=self.fc2.tp_group)
 
     def _mlp_block(self, x: torch.Tensor) -> torch.Tensor:
-        return self.final_layer_norm(x + self.fc2(self.act(self.fc1(x))))
+        hidden = self.act(self.fc1(x))  # [batch, seq, ffn_dim / tp_size]
+        hidden = tensor_parallel_dropout(hidden, self.activation_dropout, training=self.training,
+                                         sharded=True, tp_group=self.fc1.tp_group)
+        return self.final_layer_norm(x + self._residual_dropout(self.fc2(hidden)))
 
 
 class BartEncoderLayer(_BartLayer):
@@ -104,7 +122,7 @@ class BartEncoderLayer(_BartLayer):
                                                  device=factory["device"])
 
     def forward(self, x: torch.Tensor, key_lens: torch.Tensor | None) -> torch.Tensor:
-        x = self.self_attn_layer_norm(x + self.self_attn(x, key_lens=key_lens))
+        x = self.self_attn_layer_norm(x + self._residual_dropout(self.self_attn(x, key_lens=key_lens)))
         return self._mlp_block(x)
 
 
@@ -122,10 +140,10 @@ class BartDecoderLayer(_BartLayer):
                 caches: Mapping[str, PagedKVCache],
                 metadata: Mapping[str, AttentionMetadata]) -> torch.Tensor:
         attn = self.self_attn(x, kv_cache=caches.get("self"), metadata=metadata.get("self"))
-        x = self.self_attn_layer_norm(x + attn)
+        x = self.self_attn_layer_norm(x + self._residual_dropout(attn))
         cross_cache, cross_metadata = caches.get("cross"), metadata.get("cross")
         attn = self.encoder_attn(x, encoder_states, kv_cache=cross_cache, metadata=cross_metadata)
-        x = self.encoder_attn_layer_norm(x + attn)
+        x = self.encoder_attn_layer_norm(x + self._residual_dropout(attn))
         return self._mlp_block(x)
 
 
@@ -133,7 +151,7 @@ class BartStack(nn.Module):
     """Learned positions, layernorm_embedding and the layers of the encoder or of the decoder."""
 
     def __init__(self, config: Mapping[str, Any], layer_cls: type[nn.Module], num_layers: int,
-                 factory: dict[str, Any]) -> None:
+                 layerdrop: float, factory: dict[str, Any]) -> None:
         super().__init__()
         d_model = config["d_model"]
         self.embed_positions = VocabParallelEmbedding(config["max_position_embeddings"] + POSITION_OFFSET,
@@ -141,9 +159,20 @@ class BartStack(nn.Module):
         self.layernorm_embedding = nn.LayerNorm(d_model, dtype=factory["params_dtype"],
                                                 device=factory["device"])
         self.layers = nn.ModuleList(layer_cls(config, i, factory) for i in range(num_layers))
+        self.dropout = config.get("dropout", 0.0)
+        self.layerdrop = layerdrop
 
     def embed(self, inputs_embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.layernorm_embedding(inputs_embeds + self.embed_positions(positions + POSITION_OFFSET))
+        x = self.layernorm_embedding(inputs_embeds + self.embed_positions(positions + POSITION_OFFSET))
+        return tensor_parallel_dropout(x, self.dropout, training=self.training,
+                                       tp_group=self.embed_positions.tp_group)
+
+    def active_layers(self) -> Iterator[nn.Module]:
+        """The layers, less those layer drop skips in training: one draw a layer from the default generators,
+        alike on every rank."""
+        for layer in self.layers:
+            if not (self.training and self.layerdrop > 0.0 and torch.rand([]) < self.layerdrop):
+                yield layer
 
 
 class BartForConditionalGeneration(PagedLM):
@@ -177,8 +206,10 @@ class BartForConditionalGeneration(PagedLM):
         self.forced_eos_token_id = config.get("forced_eos_token_id")
         self.embed_scale = math.sqrt(d_model) if config.get("scale_embedding", False) else 1.0
         self.shared = VocabParallelEmbedding(vocab_size, d_model, **factory)
-        self.encoder = BartStack(config, BartEncoderLayer, config["encoder_layers"], factory)
-        self.decoder = BartStack(config, BartDecoderLayer, config["decoder_layers"], factory)
+        self.encoder = BartStack(config, BartEncoderLayer, config["encoder_layers"],
+                                 config.get("encoder_layerdrop", 0.0), factory)
+        self.decoder = BartStack(config, BartDecoderLayer, config["decoder_layers"],
+                                 config.get("decoder_layerdrop", 0.0), factory)
         self.lm_head = ParallelLMHead(vocab_size, d_model, bias=True, **factory)  # bias: final_logits_bias
         # transformers keeps final_logits_bias as a buffer, which training leaves as it is.
         self.lm_head.bias.requires_grad_(False)
@@ -202,7 +233,7 @@ class BartForConditionalGeneration(PagedLM):
         """input_ids ``[batch, seq]`` (right-padded to ``key_lens`` if given) -> ``[batch, seq, d_model]``."""
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         x = self.encoder.embed(self._embed_tokens(input_ids), positions)
-        for layer in self.encoder.layers:
+        for layer in self.encoder.active_layers():
             x = layer(x, key_lens)
         return x
 
@@ -212,7 +243,7 @@ class BartForConditionalGeneration(PagedLM):
         """Decoder hidden states ``[batch, seq, d_model]``; without caches over the whole decoder input."""
         caches, metadata = caches or {}, metadata or {}
         x = self.decoder.embed(self._embed_tokens(input_ids), positions)
-        for layer in self.decoder.layers:
+        for layer in self.decoder.active_layers():
             x = layer(x, encoder_states, caches, metadata)
         return x
 

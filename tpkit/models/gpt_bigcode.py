@@ -5,6 +5,8 @@ A layer: LayerNorm -> QKVParallelLinear (``c_attn``) -> Attention (paged) -> Row
 multi-query attention: one KV head that every rank replicates, so each rank's cache holds a single head.
 The checkpoint stores q, k and v fused in ``c_attn``: with multi_query as [q; k; v], loaded through the QKV
 layer's fused path (``loaded_shard_id`` None); without, interleaved per head, split into q, k, v first.
+In training, dropout (``embd_pdrop``, ``attn_pdrop``, ``resid_pdrop``) where transformers applies it; with
+tp_size > 1 it needs ``seed_tensor_parallel`` first.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import nn
 from tpkit.attention import Attention, AttentionMetadata, PagedKVCache, decode_linear
 from tpkit.loaders import load_weights
 from tpkit.models.activations import get_activation
+from tpkit.models.dropout import attend
 from tpkit.models.generation import PagedDecoderOnlyLM, parse_eos_token_ids
 from tpkit.parallel_layers import (
     ColumnParallelLinear,
@@ -27,6 +30,7 @@ from tpkit.parallel_layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     set_linear_op,
+    tensor_parallel_dropout,
 )
 
 
@@ -44,13 +48,16 @@ class GPTBigCodeAttention(nn.Module):
         self.head_size = head_size
         scale = None if config.get("scale_attn_weights", True) else 1.0
         self.attn = Attention(self.num_heads, head_size, self.num_kv_heads, scale=scale)
+        self.attn_pdrop, self.resid_pdrop = config.get("attn_pdrop", 0.0), config.get("resid_pdrop", 0.0)
 
     def forward(self, x: torch.Tensor, kv_cache: PagedKVCache | None,
                 metadata: AttentionMetadata | None) -> torch.Tensor:
         q_size, kv_size = self.c_attn.q_size, self.c_attn.kv_size
         q, k, v = self.c_attn(x).split([q_size, kv_size, kv_size], dim=-1)
-        out = self.attn(q, k, v, kv_cache=kv_cache, layer_idx=self.layer_idx, metadata=metadata)
-        return self.c_proj(out)
+        out = attend(self.attn, q, k, v, dropout_p=self.attn_pdrop, tp_size=self.c_proj.tp_size,
+                     kv_cache=kv_cache, layer_idx=self.layer_idx, metadata=metadata)
+        return tensor_parallel_dropout(self.c_proj(out), self.resid_pdrop, training=self.training,
+                                       tp_group=self.c_proj.tp_group)
 
 
 class GPTBigCodeMLP(nn.Module):
@@ -61,9 +68,11 @@ class GPTBigCodeMLP(nn.Module):
         self.c_fc = ColumnParallelLinear(hidden_size, inner_size, bias=True, **factory)
         self.c_proj = RowParallelLinear(inner_size, hidden_size, bias=True, **factory)
         self.act = get_activation(config.get("activation_function", "gelu_pytorch_tanh"))
+        self.resid_pdrop = config.get("resid_pdrop", 0.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(self.act(self.c_fc(x)))
+        return tensor_parallel_dropout(self.c_proj(self.act(self.c_fc(x))), self.resid_pdrop,
+                                       training=self.training, tp_group=self.c_proj.tp_group)
 
 
 class GPTBigCodeBlock(nn.Module):
@@ -117,6 +126,7 @@ class GPTBigCodeForCausalLM(PagedDecoderOnlyLM):
             self.lm_head.tie_weights(self.wte)
         attention = self.h[0].attn
         self.tp_group = self.wte.tp_group
+        self.embd_pdrop = config.get("embd_pdrop", 0.0)
         self.num_layers = len(self.h)
         self.num_heads, self.num_kv_heads = attention.num_heads, attention.num_kv_heads
         self.head_size = attention.head_size
@@ -127,6 +137,7 @@ class GPTBigCodeForCausalLM(PagedDecoderOnlyLM):
                       kv_cache: PagedKVCache | None = None,
                       metadata: AttentionMetadata | None = None) -> torch.Tensor:
         x = self.wte(input_ids) + self.wpe(positions)  # [batch, seq, hidden]
+        x = tensor_parallel_dropout(x, self.embd_pdrop, training=self.training, tp_group=self.tp_group)
         for block in self.h:
             x = block(x, kv_cache, metadata)
         return self.ln_f(x)

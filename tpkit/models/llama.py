@@ -4,7 +4,8 @@ A layer: RMSNorm -> QKVParallelLinear -> RoPE -> Attention (paged) -> RowParalle
 RMSNorm -> MergedColumnParallelLinear (gate, up) -> SiLU(gate) * up -> RowParallelLinear (all-reduce).
 GQA with any KV-head count the QKV layer accepts (KV heads replicated when ranks outnumber them), RoPE with
 the default, linear and llama3 schedules, q/k/v bias (Qwen2, or ``attention_bias``, which also biases
-o_proj), tied or untied embeddings.
+o_proj), tied or untied embeddings, and in training ``attention_dropout`` (with tp_size > 1 after
+``seed_tensor_parallel``).
 
 Where it can, a decode step on one GPU runs a layer as its four products and attention, five kernels:
 RoPE and the cache write in qkv_proj's epilogue, SwiGLU in gate_up_proj's, and each RMSNorm split between
@@ -35,6 +36,7 @@ from tpkit.attention import (
 )
 from tpkit.loaders import load_weights
 from tpkit.models.activations import get_activation
+from tpkit.models.dropout import attend
 from tpkit.models.generation import PagedDecoderOnlyLM, parse_eos_token_ids
 from tpkit.models.rope import RotaryEmbedding, rope_parameters
 from tpkit.parallel_layers import (
@@ -75,6 +77,7 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size, self.head_size = self.qkv_proj.q_size, self.qkv_proj.kv_size, head_size
         self.attn = Attention(self.num_heads, head_size, self.num_kv_heads)
+        self.attention_dropout = config.get("attention_dropout", 0.0)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: PagedKVCache | None,
                 metadata: AttentionMetadata | None) -> torch.Tensor:
@@ -87,7 +90,8 @@ class LlamaAttention(nn.Module):
         qk = apply_rotary(qk, cos, sin).flatten(2)  # [batch, seq, q_size + kv_size]
         q, k = qk.split([self.q_size, self.kv_size], dim=-1)
         v = qkv[..., self.q_size + self.kv_size:]
-        out = self.attn(q, k, v, kv_cache=kv_cache, layer_idx=self.layer_idx, metadata=metadata)
+        out = attend(self.attn, q, k, v, dropout_p=self.attention_dropout, tp_size=self.o_proj.tp_size,
+                     kv_cache=kv_cache, layer_idx=self.layer_idx, metadata=metadata)
         return self.o_proj(out)
 
     def decode_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: PagedKVCache,

@@ -6,7 +6,8 @@ torch.distributed, or in a single process), or pass ``tp_group=`` to each layer.
 full checkpoint tensor (a ``torch.Tensor`` or a lazy handle that reads only the slices asked for).
 Training takes a few steps across the group: :func:`vocab_parallel_cross_entropy` (the loss from each
 rank's vocabulary columns), :func:`reduce_kv_replica_grads`, :func:`clip_grad_norm_`, and for dropout
-:func:`seed_tensor_parallel`, :func:`tensor_parallel_rng` and :func:`checkpoint`.
+:func:`seed_tensor_parallel`, :func:`tensor_parallel_dropout`, :func:`tensor_parallel_rng` and
+:func:`checkpoint`.
 """
 
 from ._init import skip_init
@@ -27,6 +28,7 @@ from .random import (
     get_tensor_parallel_rng_state,
     seed_tensor_parallel,
     set_tensor_parallel_rng_state,
+    tensor_parallel_dropout,
     tensor_parallel_rng,
 )
 from .state import (
@@ -68,6 +70,7 @@ __all__ = [
     "set_linear_op",
     "set_tensor_parallel_rng_state",
     "skip_init",
+    "tensor_parallel_dropout",
     "tensor_parallel_rng",
     "vocab_parallel_cross_entropy",
 ]

@@ -15,6 +15,9 @@ seeded per rank, is swapped in around the dropout of sharded activations::
     with tensor_parallel_rng():
         a = F.dropout(column_parallel(x), 0.1)    # sharded: this rank's own stream
 
+or, in one call each, ``tensor_parallel_dropout(h, 0.1)`` and
+``tensor_parallel_dropout(a, 0.1, sharded=True)``.
+
 The generators are the CPU's and, where CUDA is available, the current device's. Activation recomputation
 must draw the same masks again: ``torch.utils.checkpoint`` restores the default generators, and
 :func:`checkpoint` this state too. ``torch.compile`` breaks its graph at the block: a generator's state
@@ -29,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -98,6 +102,26 @@ def tensor_parallel_rng() -> Iterator[None]:
             states[generator.device] = generator.get_state()
             generator.set_state(state)
         _forked = False
+
+
+def tensor_parallel_dropout(input: torch.Tensor, p: float, *, training: bool = True, sharded: bool = False,
+                            tp_group: TPGroup | dist.ProcessGroup | DeviceMesh | None = None) -> torch.Tensor:
+    """``F.dropout(input, p, training)`` of an activation of a tensor-parallel model: a ``sharded`` one (split
+    across the ranks) draws from this rank's tensor-parallel stream, a replicated one from the default
+    generators. Where anything is dropped and ``tp_group`` has more than one rank, both need
+    :func:`seed_tensor_parallel` first: it also seeds the default generators alike on every rank, without
+    which the ranks' copies of a replicated activation would lose different elements."""
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+        raise ValueError(f"p must be a probability in [0, 1), received {p!r}")
+    if not training or p == 0.0:
+        return input
+    if _resolve_tp_group(tp_group).size == 1:
+        return F.dropout(input, p, training=True)
+    if not sharded:
+        _require_seeded()
+        return F.dropout(input, p, training=True)
+    with tensor_parallel_rng():
+        return F.dropout(input, p, training=True)
 
 
 def get_tensor_parallel_rng_state() -> dict[torch.device, torch.Tensor]:
