@@ -24,6 +24,7 @@ from checkpoints import (
     random_token_ids,
 )
 from multirank import under_torchrun
+from test_linear import gather_ranks
 
 pytestmark = pytest.mark.skipif(under_torchrun() and torch.cuda.is_available(),
                                 reason="masks drawn on a GPU differ from the CPU references")
@@ -105,30 +106,32 @@ def test_every_dropout_matches_transformers_at_tp_size_1(ranks, every_dropout):
     _assert_dropped_as_transformers(ranks.run(1, _training_logits, path, 1, inputs), references)
 
 
-def _ffn_masks(path: str, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """BART at tp_size 2 in training: where this rank's half of the first encoder layer's FFN activation
-    was dropped (zeros entering fc2), and the logits."""
+def _check_ffn_masks(path: str, inputs: dict[str, torch.Tensor]) -> None:
+    """BART at tp_size 2 in training: the ranks' halves of the first encoder layer's FFN activation lose
+    about half their elements each, at different positions (one stream for both halves would drop the same
+    positions of each), and the logits are equal on both ranks."""
     from tpkit.models import from_pretrained
-    from tpkit.parallel_layers import init_tensor_parallel, seed_tensor_parallel
+    from tpkit.parallel_layers import get_tp_group, init_tensor_parallel, seed_tensor_parallel
 
     init_tensor_parallel(2)
     model = from_pretrained(path).train()
     seed_tensor_parallel(SEED)
-    dropped = []
+    dropped = []  # [batch, seq, ffn_dim / 2]: zeros entering fc2
     model.encoder.layers[0].fc2.register_forward_pre_hook(lambda _, args: dropped.append(args[0] == 0))
     with torch.no_grad():
         logits = model(*inputs.values())
-    return dropped[0], logits  # [batch, seq, ffn_dim / 2]
+    tp = get_tp_group()
+    mask0, mask1 = gather_ranks(dropped[0].float(), tp)
+    for mask in (mask0, mask1):
+        assert 0.4 < mask.mean().item() < 0.6
+    assert (mask0 != mask1).float().mean().item() > 0.3
+    logits0, logits1 = gather_ranks(logits, tp)
+    torch.testing.assert_close(logits0, logits1, rtol=0, atol=0)
 
 
 def test_sharded_dropout_masks_differ_across_ranks(ranks, tmp_path_factory):
     path, inputs, _ = _checkpoint(tmp_path_factory, "bart", dict(dropout=0.0, activation_dropout=0.5))
-    (mask0, logits0), (mask1, logits1) = ranks.run(2, _ffn_masks, path, inputs)
-    for mask in (mask0, mask1):
-        assert 0.4 < mask.float().mean().item() < 0.6
-    # One stream for both halves would drop the same positions of each.
-    assert (mask0 != mask1).float().mean().item() > 0.3
-    torch.testing.assert_close(logits0, logits1, rtol=0, atol=0)
+    ranks.run(2, _check_ffn_masks, path, inputs)
 
 
 def _unseeded_training(path: str, inputs: dict[str, torch.Tensor]) -> str:
