@@ -4,7 +4,8 @@ the masks as one unsharded model would.
 Replicated activations (the residual stream, embeddings, a row-parallel layer's output) draw from the
 default generators, which ``seed_tensor_parallel`` seeds alike on every rank: after ``torch.manual_seed`` in
 transformers and ``seed_tensor_parallel`` with the same seed here, the logits in training equal
-transformers' at tp_size 1, 2 and 4, and differ from the eval-mode logits (the dropout did something). At
+transformers' at tp_size 1, 2 and 4 (compiled whole too), and differ from the eval-mode logits (the dropout
+did something). At
 tp_size 1 the sharded activations (attention probabilities, BART's FFN activations) draw from the same
 stream, so there every dropout matches transformers; at tp_size 2 the ranks' halves of the FFN activation
 lose different elements while the replicated stream stays equal on both ranks.
@@ -77,12 +78,15 @@ def every_dropout(request, tmp_path_factory):
     return request.param, *_checkpoint(tmp_path_factory, request.param, DROPOUTS[request.param])
 
 
-def _training_logits(path: str, tp_size: int, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+def _training_logits(path: str, tp_size: int, inputs: dict[str, torch.Tensor],
+                     compiled: bool = False) -> torch.Tensor:
     from tpkit.models import from_pretrained
     from tpkit.parallel_layers import init_tensor_parallel, seed_tensor_parallel
 
     init_tensor_parallel(tp_size)
     model = from_pretrained(path).train()
+    if compiled:  # AOTAutograd with eager kernels: the same draws as eager mode
+        model = torch.compile(model, backend="aot_eager", fullgraph=True)
     seed_tensor_parallel(SEED)
     with torch.no_grad():
         return model(*inputs.values())
@@ -99,6 +103,22 @@ def _assert_dropped_as_transformers(logits: list[torch.Tensor], references: dict
 def test_replicated_dropout_matches_transformers(ranks, replicated, tp_size):
     _, path, inputs, references = replicated
     _assert_dropped_as_transformers(ranks.run(tp_size, _training_logits, path, tp_size, inputs), references)
+
+
+@pytest.fixture(scope="module", params=sorted(REPLICATED))
+def replicated_no_layer_drop(request, tmp_path_factory):
+    dropouts = {name: p for name, p in REPLICATED[request.param].items() if not name.endswith("layerdrop")}
+    return request.param, *_checkpoint(tmp_path_factory, request.param, dropouts)
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_compiled_replicated_dropout_matches_transformers(ranks, replicated_no_layer_drop, tp_size):
+    """Compiled whole (``fullgraph=True``), as a training step is: a replicated activation's dropout draws
+    from the default generators inside the graph. (Layer drop decides in Python on a drawn number, which
+    breaks the graph, as in transformers.)"""
+    _, path, inputs, references = replicated_no_layer_drop
+    logits = ranks.run(tp_size, _training_logits, path, tp_size, inputs, True)
+    _assert_dropped_as_transformers(logits, references)
 
 
 def test_every_dropout_matches_transformers_at_tp_size_1(ranks, every_dropout):
