@@ -5,10 +5,9 @@ Replicated activations (the residual stream, embeddings, a row-parallel layer's 
 default generators, which ``seed_tensor_parallel`` seeds alike on every rank: after ``torch.manual_seed`` in
 transformers and ``seed_tensor_parallel`` with the same seed here, the logits in training equal
 transformers' at tp_size 1, 2 and 4 (compiled whole too), and differ from the eval-mode logits (the dropout
-did something). At
-tp_size 1 the sharded activations (attention probabilities, BART's FFN activations) draw from the same
-stream, so there every dropout matches transformers; at tp_size 2 the ranks' halves of the FFN activation
-lose different elements while the replicated stream stays equal on both ranks.
+did something). At tp_size 1 the sharded activations (attention probabilities, BART's FFN activations) draw
+from the same stream, so there every dropout matches transformers; at tp_size 2 the ranks' halves of the FFN
+activation lose different elements while the replicated stream stays equal on both ranks.
 
 Masks are the generator's of the device that draws them and the references are computed on the CPU, so
 under torchrun with CUDA these tests skip.
