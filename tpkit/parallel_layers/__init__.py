@@ -7,13 +7,19 @@ full checkpoint tensor (a ``torch.Tensor`` or a lazy handle that reads only the 
 Training takes a few steps across the group: :func:`vocab_parallel_cross_entropy` (the loss from each
 rank's vocabulary columns), :func:`reduce_kv_replica_grads`, :func:`clip_grad_norm_`, and for dropout
 :func:`seed_tensor_parallel`, :func:`tensor_parallel_dropout`, :func:`tensor_parallel_rng` and
-:func:`checkpoint`.
+:func:`checkpoint`; with sequence parallelism (the layers' ``sequence_parallel=True``)
+:func:`mark_sequence_parallel` and :func:`reduce_sequence_parallel_grads`.
 """
 
 from ._init import skip_init
 from .cross_entropy import vocab_parallel_cross_entropy
 from .cross_qkv import QKVCrossParallelLinear
-from .grads import clip_grad_norm_, reduce_kv_replica_grads
+from .grads import (
+    clip_grad_norm_,
+    mark_sequence_parallel,
+    reduce_kv_replica_grads,
+    reduce_sequence_parallel_grads,
+)
 from .linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -22,7 +28,15 @@ from .linear import (
     RowParallelLinear,
 )
 from .linear_op import LinearOp, set_linear_op
-from .mappings import copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region, scatter_to_tp_region
+from .mappings import (
+    copy_to_tp_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+    scatter_to_tp_region,
+)
 from .random import (
     checkpoint,
     get_tensor_parallel_rng_state,
@@ -56,15 +70,20 @@ __all__ = [
     "clip_grad_norm_",
     "copy_to_tp_region",
     "destroy_tensor_parallel",
+    "gather_from_sequence_parallel_region",
     "gather_from_tp_region",
+    "get_tensor_parallel_rng_state",
     "get_tp_group",
     "get_tp_rank",
-    "get_tensor_parallel_rng_state",
     "get_tp_size",
     "init_tensor_parallel",
+    "mark_sequence_parallel",
     "pad_vocab_size",
     "reduce_from_tp_region",
     "reduce_kv_replica_grads",
+    "reduce_scatter_to_sequence_parallel_region",
+    "reduce_sequence_parallel_grads",
+    "scatter_to_sequence_parallel_region",
     "scatter_to_tp_region",
     "seed_tensor_parallel",
     "set_linear_op",

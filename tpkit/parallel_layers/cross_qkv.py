@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 
 from .linear import QKVParallelLinear
-from .mappings import copy_to_tp_region
 
 _Biases = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 _QKV = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
@@ -44,14 +43,12 @@ class QKVCrossParallelLinear(QKVParallelLinear):
         # decoder [..., hidden_size] -> q [..., q_size]; encoder [..., hidden_size] -> k, v [..., kv_size]
         q_bias, k_bias, v_bias = self._split_bias()
         add_bias = not self.skip_bias_add
-        if self.tp_size > 1:
-            decoder_hidden_states = copy_to_tp_region(decoder_hidden_states, self.tp_group)
+        decoder_hidden_states = self._input_region(decoder_hidden_states)
         q_weight = self.weight[: self.q_size]  # [q_size, hidden_size], a view
         q = self.linear_op(decoder_hidden_states, q_weight, q_bias if add_bias else None)
         k = v = None
         if encoder_hidden_states is not None:
-            if self.tp_size > 1:
-                encoder_hidden_states = copy_to_tp_region(encoder_hidden_states, self.tp_group)
+            encoder_hidden_states = self._input_region(encoder_hidden_states)
             kv_weight = self.weight[self.q_size:]  # [2 * kv_size, hidden_size], a view
             kv_bias = None if self.bias is None or not add_bias else self.bias[self.q_size:]
             kv = self.linear_op(encoder_hidden_states, kv_weight, kv_bias)

@@ -9,6 +9,11 @@ Two things then need the group:
 - :func:`clip_grad_norm_`: ``torch.nn.utils.clip_grad_norm_`` for the whole model. On one rank's parameters
   alone, each rank would find its own norm and scale its replicated parameters by its own factor, and the
   replicas would drift apart.
+
+With sequence parallelism a third: the replicated parameters that act on a rank's share of the tokens only
+(the norms between a row-parallel and the next column-parallel layer, a sequence-parallel row layer's bias)
+get the gradient of those tokens; :func:`reduce_sequence_parallel_grads` sums them over the ranks, which
+:func:`mark_sequence_parallel` tells it about.
 """
 
 from __future__ import annotations
@@ -19,8 +24,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .linear import QKVParallelLinear
+from .linear import QKVParallelLinear, RowParallelLinear
+from .mappings import _all_reduce
 from .state import TPGroup, _resolve_tp_group
+
+# Set on a module whose parameters act on a rank's share of the tokens (mark_sequence_parallel): a module
+# attribute, which copies, pickling and dtype or device conversions keep.
+_SEQUENCE_PARALLEL_ATTR = "_tpkit_sequence_parallel"
 
 
 def reduce_kv_replica_grads(module: nn.Module) -> int:
@@ -30,6 +40,46 @@ def reduce_kv_replica_grads(module: nn.Module) -> int:
     Returns how many layers it reduced."""
     return sum(layer.reduce_kv_replica_grads() for layer in module.modules()
                if isinstance(layer, QKVParallelLinear))
+
+
+def mark_sequence_parallel(*modules: nn.Module) -> None:
+    """Says that the parameters of each module (not its children) act on a rank's share of the tokens
+    under sequence parallelism: the norms between a row-parallel and the next column-parallel layer, a
+    position embedding added there. :func:`reduce_sequence_parallel_grads` then sums their gradients."""
+    for module in modules:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"mark_sequence_parallel: expected nn.Module arguments, received "
+                            f"{type(module).__name__}")
+    for module in modules:
+        setattr(module, _SEQUENCE_PARALLEL_ATTR, True)
+
+
+def reduce_sequence_parallel_grads(module: nn.Module) -> int:
+    """Sums over the group, in one all-reduce, the gradients of the parameters in ``module`` that act on a
+    rank's share of the tokens: those of the modules given to :func:`mark_sequence_parallel` and the bias of
+    every ``RowParallelLinear(sequence_parallel=True)``. Each rank then holds the whole gradient, the same
+    on every rank. Call it after backward, on every rank, before :func:`clip_grad_norm_` and the optimizer
+    step. Returns how many parameters it reduced."""
+    params: list[nn.Parameter] = []
+    for layer in module.modules():
+        if getattr(layer, _SEQUENCE_PARALLEL_ATTR, False):
+            params.extend(layer.parameters(recurse=False))
+        elif isinstance(layer, RowParallelLinear) and layer.sequence_parallel and layer.bias is not None:
+            params.append(layer.bias)
+    params = [p for p in dict.fromkeys(params) if p.requires_grad]
+    if not params:
+        return 0
+    tp = _group_of(module)
+    if tp.size == 1:
+        return len(params)
+    for param in params:
+        if param.grad is None:  # unused on this rank: its share of the sum is zero
+            param.grad = torch.zeros_like(param)
+    flat = torch.cat([param.grad.reshape(-1) for param in params])
+    _all_reduce(flat, tp)
+    for param, summed in zip(params, flat.split([param.numel() for param in params]), strict=True):
+        param.grad.copy_(summed.view_as(param.grad))
+    return len(params)
 
 
 def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0, *,

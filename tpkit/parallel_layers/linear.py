@@ -8,6 +8,13 @@
   fewer of them than ranks.
 * :class:`RowParallelLinear`: input features split; partial results summed by one all-reduce.
 
+With ``sequence_parallel=True`` (Megatron-LM's sequence parallelism, for training) the activations between a
+row-parallel layer and the next column-parallel one are split along the sequence (the dim before the
+features) rather than replicated: a column-parallel layer all-gathers its input's tokens, a row-parallel one
+reduce-scatters its output over them. The norms in between then see 1 / tp_size of the tokens:
+:func:`~tpkit.parallel_layers.mark_sequence_parallel` them, and sum their gradients with
+:func:`~tpkit.parallel_layers.reduce_sequence_parallel_grads` after backward.
+
 Forward is ``F.linear`` like ``nn.Linear`` (or the layer's ``linear_op``, :mod:`.linear_op`); with
 ``skip_bias_add=True`` it returns ``(output, bias)`` so the caller can fuse the bias into what follows.
 Weights are ``[output_size_per_partition, input_size_per_partition]``; every parameter carries
@@ -40,7 +47,9 @@ from .mappings import (
     _all_reduce,
     _reduce_from_tp_region_,
     copy_to_tp_region,
+    gather_from_sequence_parallel_region,
     gather_from_tp_region,
+    reduce_scatter_to_sequence_parallel_region,
     scatter_to_tp_region,
 )
 from .state import TPGroup, _resolve_tp_group
@@ -151,9 +160,13 @@ class _ColumnParallelBase(_LinearBase):
     """
 
     def __init__(self, input_size: int, output_size: int, output_size_per_partition: int, *, bias: bool,
-                 gather_output: bool, skip_bias_add: bool, tp: TPGroup, params_dtype: torch.dtype | None,
-                 device: torch.device | str | None) -> None:
+                 gather_output: bool, skip_bias_add: bool, sequence_parallel: bool, tp: TPGroup,
+                 params_dtype: torch.dtype | None, device: torch.device | str | None) -> None:
+        if sequence_parallel and gather_output:
+            raise ValueError("sequence_parallel=True takes the output split over the ranks: expected "
+                             "gather_output=False, received True")
         self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel
         super().__init__(input_size, output_size, input_size, output_size_per_partition, bias=bias,
                          skip_bias_add=skip_bias_add, tp=tp, params_dtype=params_dtype, device=device)
 
@@ -183,10 +196,19 @@ class _ColumnParallelBase(_LinearBase):
         _check_shape(name, loaded_weight, (total_rows, *param.shape[1:]))
         _copy_pieces(param, loaded_weight, 0, pieces)
 
+    def _input_region(self, input_: torch.Tensor) -> torch.Tensor:
+        """The input every rank multiplies: the same tensor (its gradient summed over the ranks), or with
+        sequence parallelism every rank's tokens gathered, ``[..., seq / tp_size, input_size]`` ->
+        ``[..., seq, input_size]``."""
+        if self.tp_size == 1:
+            return input_
+        if self.sequence_parallel:
+            return gather_from_sequence_parallel_region(input_, self.tp_group)
+        return copy_to_tp_region(input_, self.tp_group)
+
     def forward(self, input_: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         # [..., input_size] -> [..., output_size_per_partition] (or [..., output_size] with gather_output)
-        if self.tp_size > 1:
-            input_ = copy_to_tp_region(input_, self.tp_group)
+        input_ = self._input_region(input_)
         output = self.linear_op(input_, self.weight, None if self.skip_bias_add else self.bias)
         if not (self.gather_output and self.tp_size > 1):
             return self._with_bias(output)
@@ -201,6 +223,8 @@ class ColumnParallelLinear(_ColumnParallelBase):
 
     The output is this rank's ``[..., output_size / tp_size]``, or the full ``[..., output_size]`` with
     ``gather_output=True``. With ``skip_bias_add`` the returned bias matches the output (gathered too).
+    With ``sequence_parallel=True`` the input is this rank's tokens, ``[..., seq / tp_size, input_size]``,
+    gathered before the product (module docstring).
     """
 
     def __init__(
@@ -211,6 +235,7 @@ class ColumnParallelLinear(_ColumnParallelBase):
         gather_output: bool = False,
         skip_bias_add: bool = False,
         *,
+        sequence_parallel: bool = False,
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         tp_group: _TPGroupArg = None,
@@ -218,8 +243,8 @@ class ColumnParallelLinear(_ColumnParallelBase):
         _check_positive(input_size=input_size, output_size=output_size)
         tp = _resolve_tp_group(tp_group)
         super().__init__(input_size, output_size, _divide(output_size, tp.size, "output_size"), bias=bias,
-                         gather_output=gather_output, skip_bias_add=skip_bias_add, tp=tp,
-                         params_dtype=params_dtype, device=device)
+                         gather_output=gather_output, skip_bias_add=skip_bias_add,
+                         sequence_parallel=sequence_parallel, tp=tp, params_dtype=params_dtype, device=device)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       loaded_shard_id: int | str | None = None) -> None:
@@ -246,6 +271,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         gather_output: bool = False,
         skip_bias_add: bool = False,
         *,
+        sequence_parallel: bool = False,
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         tp_group: _TPGroupArg = None,
@@ -258,7 +284,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             _divide(size, tp.size, f"output_sizes[{i}]")
         self.output_sizes = list(output_sizes)
         super().__init__(input_size, sum(output_sizes), bias=bias, gather_output=gather_output,
-                         skip_bias_add=skip_bias_add, params_dtype=params_dtype, device=device, tp_group=tp)
+                         skip_bias_add=skip_bias_add, sequence_parallel=sequence_parallel,
+                         params_dtype=params_dtype, device=device, tp_group=tp)
 
     def _shard_pieces(self, index: int) -> tuple[int, int, int]:
         """(start in this rank's rows, start in the full output, length) of matrix ``index``'s share."""
@@ -311,6 +338,7 @@ class QKVParallelLinear(_ColumnParallelBase):
         bias: bool = True,
         skip_bias_add: bool = False,
         *,
+        sequence_parallel: bool = False,
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         tp_group: _TPGroupArg = None,
@@ -340,8 +368,8 @@ class QKVParallelLinear(_ColumnParallelBase):
         self.kv_size = self.num_kv_heads * head_size
         output_size = (total_num_heads + 2 * total_num_kv_heads) * head_size
         super().__init__(hidden_size, output_size, self.q_size + 2 * self.kv_size, bias=bias,
-                         gather_output=False, skip_bias_add=skip_bias_add, tp=tp,
-                         params_dtype=params_dtype, device=device)
+                         gather_output=False, skip_bias_add=skip_bias_add,
+                         sequence_parallel=sequence_parallel, tp=tp, params_dtype=params_dtype, device=device)
 
     def _qkv_piece(self, shard: str) -> tuple[int, int, int, int]:
         """(start in this rank's rows, start in the q/k/v checkpoint tensor, length, offset when fused)."""
@@ -421,6 +449,10 @@ class RowParallelLinear(_LinearBase):
     all-reduce and the bias is added once, after it. With ``reduce_results=False`` the caller sums them
     (it must, to get the layer's output): tp rank 0 adds the bias so the sum holds it once, and the other
     ranks add a zero that carries its gradient, so every rank's copy of the bias gets the same gradient.
+    With ``sequence_parallel=True`` the partial products are reduce-scattered over the tokens instead, the
+    output this rank's ``[..., seq / tp_size, output_size]`` (module docstring); the bias, added to it, then
+    gets the gradient of this rank's tokens only, which
+    :func:`~tpkit.parallel_layers.reduce_sequence_parallel_grads` sums.
     """
 
     def __init__(
@@ -432,14 +464,20 @@ class RowParallelLinear(_LinearBase):
         reduce_results: bool = True,
         skip_bias_add: bool = False,
         *,
+        sequence_parallel: bool = False,
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         tp_group: _TPGroupArg = None,
     ) -> None:
         _check_positive(input_size=input_size, output_size=output_size)
+        if sequence_parallel and not (input_is_parallel and reduce_results):
+            raise ValueError(f"sequence_parallel=True takes a split input and reduces the results: expected "
+                             f"input_is_parallel=True and reduce_results=True, received {input_is_parallel} "
+                             f"and {reduce_results}")
         tp = _resolve_tp_group(tp_group)
         self.input_is_parallel = input_is_parallel
         self.reduce_results = reduce_results
+        self.sequence_parallel = sequence_parallel
         super().__init__(input_size, output_size, _divide(input_size, tp.size, "input_size"), output_size,
                          bias=bias, skip_bias_add=skip_bias_add, tp=tp, params_dtype=params_dtype,
                          device=device)
@@ -473,6 +511,9 @@ class RowParallelLinear(_LinearBase):
         if not self.input_is_parallel:
             input_ = scatter_to_tp_region(input_, self.tp_group)
         output = self.linear_op(input_, self.weight, None)
+        if self.sequence_parallel:
+            output = reduce_scatter_to_sequence_parallel_region(output, self.tp_group)
+            return self._with_bias(output + self.bias if add_bias else output)
         if self.reduce_results:
             output = _reduce_from_tp_region_(output, self.tp_group)
             if add_bias:

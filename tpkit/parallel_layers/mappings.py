@@ -2,14 +2,22 @@
 
 Each has a forward collective and the backward that makes gradients right:
 
-=======================  ==================================  ==============================
-function                 forward                             backward
-=======================  ==================================  ==============================
-copy_to_tp_region        identity                            all-reduce
-reduce_from_tp_region    all-reduce                          identity
-gather_from_tp_region    all-gather along the last dim       keep this rank's chunk
-scatter_to_tp_region     keep this rank's chunk (last dim)   all-gather along the last dim
-=======================  ==================================  ==============================
+==========================================  =============================  ==============================
+function                                    forward                        backward
+==========================================  =============================  ==============================
+copy_to_tp_region                           identity                       all-reduce
+reduce_from_tp_region                       all-reduce                     identity
+gather_from_tp_region                       all-gather (last dim)          keep this rank's chunk
+scatter_to_tp_region                        keep this rank's chunk         all-gather (last dim)
+scatter_to_sequence_parallel_region         keep this rank's chunk         all-gather (sequence dim)
+gather_from_sequence_parallel_region        all-gather (sequence dim)      reduce-scatter, or keep chunk
+reduce_scatter_to_sequence_parallel_region  reduce-scatter (sequence dim)  all-gather (sequence dim)
+==========================================  =============================  ==============================
+
+The last three are sequence parallelism (Megatron-LM's): between a row-parallel layer and the next
+column-parallel one, activations are split along the sequence instead of replicated, so norms, dropout and
+residual adds each take 1 / tp_size of the tokens on every rank. The sequence dim is ``dim`` (default -2:
+``[batch, seq, hidden]`` and ``[tokens, hidden]`` alike); its size must divide by ``tp_size``.
 
 With ``tp_size`` 1 each returns its input unchanged and communicates nothing. ``tp_group`` is a
 :class:`TPGroup`, a ``ProcessGroup`` or None (the group of ``init_tensor_parallel``).
@@ -22,8 +30,10 @@ import torch.distributed as dist
 
 from .state import TPGroup, _resolve_tp_group
 
-# torch 2.13 renamed all_gather_into_tensor (deprecated there); 2.11 has only the old name.
+# torch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor (deprecated there); 2.11 has only the
+# old names.
 _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _all_reduce(tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
@@ -53,11 +63,12 @@ def _(input_: torch.Tensor, group_name: str) -> torch.Tensor:
     return torch.empty_like(input_, memory_format=torch.contiguous_format)
 
 
-def _all_gather_last_dim(tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    # [..., n] on each rank -> [..., tp_size * n], rank r's chunk at [r * n, (r + 1) * n)
+def _all_gather_dim(tensor: torch.Tensor, tp: TPGroup, dim: int) -> torch.Tensor:
+    # [..., n, ...] on each rank -> [..., tp_size * n, ...] (n at dim), rank r's chunk at [r * n, (r + 1) * n)
     tensor = tensor.contiguous()
+    dim = dim % tensor.dim()
     # Ranks' tensors stacked along dim 0, [tp_size * d0, ...], the output shape torch.compile's traced
-    # all-gather writes (it copies into the buffer given), viewed as [tp_size, ..., n].
+    # all-gather writes (it copies into the buffer given), viewed as [tp_size, *tensor.shape].
     gathered = tensor.new_empty((tp.size * tensor.shape[0], *tensor.shape[1:]))
     stacked = gathered.view(tp.size, *tensor.shape)
     if tp.backend == "gloo":
@@ -65,15 +76,58 @@ def _all_gather_last_dim(tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
         dist.all_gather(list(stacked.unbind(0)), tensor, group=tp.group)
     else:
         _all_gather_into(gathered, tensor, group=tp.group)
-    return stacked.movedim(0, -2).reshape(*tensor.shape[:-1], tp.size * tensor.shape[-1])
+    shape = list(tensor.shape)
+    shape[dim] *= tp.size
+    return stacked.movedim(0, dim).reshape(shape)
+
+
+def _all_gather_last_dim(tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    return _all_gather_dim(tensor, tp, -1)
+
+
+def _chunk_of(size: int, tp: TPGroup, what: str) -> int:
+    if size % tp.size:
+        raise ValueError(f"the {what} ({size}) must divide by tp_size={tp.size} to scatter it")
+    return size // tp.size
+
+
+def _split_dim(tensor: torch.Tensor, tp: TPGroup, dim: int, what: str) -> torch.Tensor:
+    chunk = _chunk_of(tensor.shape[dim], tp, what)
+    return tensor.narrow(dim, tp.rank * chunk, chunk).contiguous()
 
 
 def _split_last_dim(tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    last = tensor.shape[-1]
-    if last % tp.size:
-        raise ValueError(f"the last dimension ({last}) must divide by tp_size={tp.size} to scatter it")
-    chunk = last // tp.size
-    return tensor.narrow(-1, tp.rank * chunk, chunk).contiguous()
+    return _split_dim(tensor, tp, -1, "last dimension")
+
+
+@torch.library.custom_op("tpkit::reduce_scatter", mutates_args=())
+def _reduce_scatter_copy(input_: torch.Tensor, group_name: str, world_size: int) -> torch.Tensor:
+    """``input_`` ``[world_size * n, ...]`` summed over the group named ``group_name``: this rank's
+    ``[n, ...]`` of the sum. An op of its own, as ``tpkit::all_reduce``: torch.compile cannot trace gloo's
+    list form."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    group = _resolve_process_group(group_name)
+    input_ = input_.contiguous()
+    output = input_.new_empty((input_.shape[0] // world_size, *input_.shape[1:]))
+    if dist.get_backend(group) == "gloo":
+        # As for the all-gather: the list form, which every gloo build has.
+        dist.reduce_scatter(output, list(input_.split(output.shape[0])), group=group)
+    else:
+        _reduce_scatter_into(output, input_, group=group)
+    return output
+
+
+@_reduce_scatter_copy.register_fake
+def _(input_: torch.Tensor, group_name: str, world_size: int) -> torch.Tensor:
+    return input_.new_empty((input_.shape[0] // world_size, *input_.shape[1:]))
+
+
+def _reduce_scatter_dim(tensor: torch.Tensor, tp: TPGroup, dim: int) -> torch.Tensor:
+    # [..., tp_size * n, ...] on each rank -> rank r's [..., n, ...]: the sum over the ranks of chunk r
+    _chunk_of(tensor.shape[dim], tp, "sequence dimension")
+    output = _reduce_scatter_copy(tensor.movedim(dim, 0), tp.group.group_name, tp.size)  # [n, ...]
+    return output.movedim(0, dim).contiguous()
 
 
 class _CopyToTPRegion(torch.autograd.Function):
@@ -121,6 +175,41 @@ class _ScatterToTPRegion(torch.autograd.Function):
         return _all_gather_last_dim(grad_output, ctx.tp), None
 
 
+class _ScatterToSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input_: torch.Tensor, tp: TPGroup, dim: int) -> torch.Tensor:
+        ctx.tp, ctx.dim = tp, dim
+        return _split_dim(input_, tp, dim, "sequence dimension")
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _all_gather_dim(grad_output, ctx.tp, ctx.dim), None, None
+
+
+class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input_: torch.Tensor, tp: TPGroup, dim: int, partial_grad: bool) -> torch.Tensor:
+        ctx.tp, ctx.dim, ctx.partial_grad = tp, dim, partial_grad
+        return _all_gather_dim(input_, tp, dim)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        if ctx.partial_grad:
+            return _reduce_scatter_dim(grad_output, ctx.tp, ctx.dim), None, None, None
+        return _split_dim(grad_output, ctx.tp, ctx.dim, "sequence dimension"), None, None, None
+
+
+class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input_: torch.Tensor, tp: TPGroup, dim: int) -> torch.Tensor:
+        ctx.tp, ctx.dim = tp, dim
+        return _reduce_scatter_dim(input_, tp, dim)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _all_gather_dim(grad_output, ctx.tp, ctx.dim), None, None
+
+
 def copy_to_tp_region(
     input_: torch.Tensor, tp_group: TPGroup | dist.ProcessGroup | None = None
 ) -> torch.Tensor:
@@ -163,3 +252,34 @@ def scatter_to_tp_region(
     """Keeps this rank's chunk of the last dim, ``[..., n]`` -> ``[..., n / tp_size]``."""
     tp = _resolve_tp_group(tp_group)
     return input_ if tp.size == 1 else _ScatterToTPRegion.apply(input_, tp)
+
+
+def scatter_to_sequence_parallel_region(
+    input_: torch.Tensor, tp_group: TPGroup | dist.ProcessGroup | None = None, *, dim: int = -2
+) -> torch.Tensor:
+    """Keeps this rank's chunk of the sequence dim of a replicated ``input_`` (an embedding's output, say):
+    ``[..., seq, hidden]`` -> ``[..., seq / tp_size, hidden]``."""
+    tp = _resolve_tp_group(tp_group)
+    return input_ if tp.size == 1 else _ScatterToSequenceParallelRegion.apply(input_, tp, dim)
+
+
+def gather_from_sequence_parallel_region(
+    input_: torch.Tensor, tp_group: TPGroup | dist.ProcessGroup | None = None, *, dim: int = -2,
+    partial_grad: bool = True,
+) -> torch.Tensor:
+    """Concatenates every rank's chunk of the sequence dim, in rank order: ``[..., seq / tp_size, hidden]``
+    -> ``[..., seq, hidden]``. ``partial_grad``: the gathered tensor feeds tensor-parallel layers (a
+    column-parallel linear), each rank's gradient a part of the whole, which the backward sums and scatters
+    (reduce-scatter); False where every rank computes all of it (a replicated consumer): the backward keeps
+    this rank's chunk."""
+    tp = _resolve_tp_group(tp_group)
+    return input_ if tp.size == 1 else _GatherFromSequenceParallelRegion.apply(input_, tp, dim, partial_grad)
+
+
+def reduce_scatter_to_sequence_parallel_region(
+    input_: torch.Tensor, tp_group: TPGroup | dist.ProcessGroup | None = None, *, dim: int = -2
+) -> torch.Tensor:
+    """Sums partial results over the group and keeps this rank's chunk of the sequence dim (a row-parallel
+    layer's output): ``[..., seq, hidden]`` -> ``[..., seq / tp_size, hidden]``; backward all-gathers."""
+    tp = _resolve_tp_group(tp_group)
+    return input_ if tp.size == 1 else _ReduceScatterToSequenceParallelRegion.apply(input_, tp, dim)
