@@ -9,7 +9,8 @@ clipping (``clip_grad_norm_``), and compares each parameter's gradient with tran
 as the weights are: loaded through the model's own ``load_weights`` into a zeroed copy of the model.
 Llama with GQA (KV heads replicated at tp_size 4), tied embeddings and biases; GPT-BigCode with
 multi-query attention (replicated at 2 and 4) and its fused ``c_attn``; BART, whose cross-attention is
-``QKVCrossParallelLinear``.
+``QKVCrossParallelLinear``. The decoder-only models also built with ``sequence_parallel=True`` (their
+norms' gradients summed by ``reduce_sequence_parallel_grads``), at tp_size 2 and 4.
 """
 
 from __future__ import annotations
@@ -64,17 +65,22 @@ def _sharded_like_weights(model, path: str, grads: dict[str, torch.Tensor]) -> d
 
 def check_training_step(path: str, tp_size: int, forward_args: tuple[torch.Tensor, ...], labels: torch.Tensor,
                         ref_loss: torch.Tensor, ref_grads: dict[str, torch.Tensor],
-                        ref_norms: tuple[torch.Tensor, torch.Tensor]) -> int:
+                        ref_norms: tuple[torch.Tensor, torch.Tensor], sequence_parallel: bool = False) -> int:
     """On every rank: loss and every parameter's gradient equal transformers', eager and compiled (AOTAutograd
     gradients, ``fullgraph=True``), and for decoder-only models with the loss from each rank's vocabulary
     columns (``lm_head.cross_entropy``); the whole model's gradient norms (2 and inf) equal theirs, and
     clipping to half the 2-norm scales every gradient by a half. Returns how many QKV layers had replicated
     KV heads."""
     from tpkit.models import from_pretrained
-    from tpkit.parallel_layers import clip_grad_norm_, init_tensor_parallel, reduce_kv_replica_grads
+    from tpkit.parallel_layers import (
+        clip_grad_norm_,
+        init_tensor_parallel,
+        reduce_kv_replica_grads,
+        reduce_sequence_parallel_grads,
+    )
 
     init_tensor_parallel(tp_size)
-    model = from_pretrained(path, device=device())
+    model = from_pretrained(path, device=device(), sequence_parallel=sequence_parallel)
     expected = _sharded_like_weights(model, path, ref_grads)
     args = tuple(t.to(device()) for t in forward_args)
     labels = labels.to(device())
@@ -89,6 +95,7 @@ def check_training_step(path: str, tp_size: int, forward_args: tuple[torch.Tenso
         loss = compute_loss()
         loss.backward()
         reduced = reduce_kv_replica_grads(model)
+        assert (reduce_sequence_parallel_grads(model) > 0) == sequence_parallel
         torch.testing.assert_close(loss.cpu(), ref_loss, rtol=1e-5, atol=1e-6)
         norm, max_abs = ref_norms
         # An inf-norm and a max_norm that clips nothing, then clipping to half the 2-norm.
@@ -107,8 +114,8 @@ def check_training_step(path: str, tp_size: int, forward_args: tuple[torch.Tenso
     return reduced
 
 
-def _decoder_only(hf_model) -> dict:
-    input_ids, last = random_token_ids(hf_model.config.vocab_size, (2, 13), (2, 1), seed=2)
+def _decoder_only(hf_model, seq_len: int = 13) -> dict:
+    input_ids, last = random_token_ids(hf_model.config.vocab_size, (2, seq_len), (2, 1), seed=2)
     labels = torch.cat([input_ids[:, 1:], last], dim=1)  # each position predicts the next token
     return _references(hf_model, {"input_ids": input_ids}, labels)
 
@@ -155,3 +162,41 @@ def test_gpt_bigcode_training_step(ranks, gpt_bigcode, tp_size):
 def test_bart_training_step(ranks, bart, tp_size):
     path, refs = bart
     ranks.run(tp_size, check_training_step, path, tp_size, **refs, timeout=240)
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt_bigcode"])
+def decoder_only_16_tokens(request, tmp_path_factory):
+    """A decoder-only checkpoint and references for 16 tokens a sequence, which 2 and 4 ranks split."""
+    path = tmp_path_factory.mktemp(f"{request.param}_sequence_parallel")
+    if request.param == "llama":
+        hf_model = make_llama_checkpoint(path, num_key_value_heads=2, attention_bias=True)
+    else:
+        hf_model = make_gpt_bigcode_checkpoint(path)
+    return str(path), _decoder_only(hf_model, seq_len=16)
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_sequence_parallel_training_step(ranks, decoder_only_16_tokens, tp_size):
+    path, refs = decoder_only_16_tokens
+    ranks.run(tp_size, check_training_step, path, tp_size, **refs, sequence_parallel=True, timeout=240)
+
+
+def _sequence_parallel_refusals(path: str) -> list[str]:
+    from tpkit.models import from_pretrained
+    from tpkit.parallel_layers import init_tensor_parallel
+
+    init_tensor_parallel(2)
+    model = from_pretrained(path, device=device(), sequence_parallel=True)
+    messages = []
+    for call in (lambda: model(torch.full((1, 5), 3, device=device())), lambda: model.generate([[3, 4]], 2)):
+        with pytest.raises(ValueError) as error:
+            call()
+        messages.append(str(error.value))
+    return messages
+
+
+def test_sequence_parallel_refuses_what_it_cannot_split(ranks, decoder_only_16_tokens):
+    path, _ = decoder_only_16_tokens
+    for length, generation in ranks.run(2, _sequence_parallel_refusals, path):
+        assert "expected a sequence length divisible by tp_size=2, received 5" in length
+        assert "runs full forwards only (training)" in generation

@@ -42,13 +42,16 @@ def model_class(config: dict[str, Any]) -> type[PagedLM]:
 
 def from_pretrained(name_or_path: str | os.PathLike, *, dtype: torch.dtype | str | None = None,
                     device: torch.device | str | None = None, tp_group: Any = None,
-                    revision: str | None = None, cache_dir: str | os.PathLike | None = None) -> PagedLM:
+                    revision: str | None = None, cache_dir: str | os.PathLike | None = None,
+                    sequence_parallel: bool = False) -> PagedLM:
     """This rank's shard of a HuggingFace checkpoint, built on ``device`` and loaded, in eval mode.
 
     dtype: default the checkpoint's (config.json ``dtype`` / ``torch_dtype``), else float32.
     device: default the current CUDA device when the tensor-parallel group runs on NCCL or there is a GPU
     and no group over gloo, else the CPU. tp_group: a TPGroup or ProcessGroup; default the group of
     ``init_tensor_parallel`` (tp_size 1 when nothing is initialised). Every rank must call it.
+    sequence_parallel: for training, the decoder-only models with their residual stream split along the
+    sequence (``tpkit.models.sequence_parallel``); such a model does not generate.
     EOS ids (and BART's decoder start and forced BOS/EOS tokens) come from generation_config.json, else
     config.json.
     """
@@ -63,7 +66,8 @@ def from_pretrained(name_or_path: str | os.PathLike, *, dtype: torch.dtype | str
     device = torch.device(device) if device is not None else _default_device(tp_group)
     # Every parameter is loaded below (strictly: one left out is an error), so random draws would be wasted.
     with skip_init():
-        model = cls(config, dtype=dtype, device=device, tp_group=tp_group)
+        model = cls(config, dtype=dtype, device=device, tp_group=tp_group,
+                    sequence_parallel=sequence_parallel)
     generation_config = _read_json(path / "generation_config.json") or {}
     if generation_config.get("eos_token_id") is not None:
         model.eos_token_ids = parse_eos_token_ids(generation_config["eos_token_id"])

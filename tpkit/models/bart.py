@@ -189,8 +189,12 @@ class BartForConditionalGeneration(PagedLM):
     )
 
     def __init__(self, config: Mapping[str, Any], *, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, tp_group: Any = None) -> None:
+                 device: torch.device | str | None = None, tp_group: Any = None,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
+        if sequence_parallel:
+            raise ValueError("sequence_parallel=True is not supported for BART (the decoder-only models take "
+                             "it)")
         if config.get("normalize_before", False) or config.get("add_final_layer_norm", False):
             raise ValueError("pre-norm BART variants (normalize_before / add_final_layer_norm, e.g. mBART) "
                              "are not supported")

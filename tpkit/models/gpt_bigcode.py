@@ -6,7 +6,9 @@ multi-query attention: one KV head that every rank replicates, so each rank's ca
 The checkpoint stores q, k and v fused in ``c_attn``: with multi_query as [q; k; v], loaded through the QKV
 layer's fused path (``loaded_shard_id`` None); without, interleaved per head, split into q, k, v first.
 In training, dropout (``embd_pdrop``, ``attn_pdrop``, ``resid_pdrop``) where transformers applies it; with
-tp_size > 1 it needs ``seed_tensor_parallel`` first.
+tp_size > 1 it needs ``seed_tensor_parallel`` first. Built with ``sequence_parallel=True``, sequence
+parallelism (``tpkit.models.sequence_parallel``): the residual stream's dropout then draws each rank's own
+mask for its tokens.
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ from tpkit.loaders import load_weights
 from tpkit.models.activations import get_activation
 from tpkit.models.dropout import attend
 from tpkit.models.generation import PagedDecoderOnlyLM, parse_eos_token_ids
+from tpkit.models.sequence_parallel import enter_sequence_parallel, exit_sequence_parallel
 from tpkit.parallel_layers import (
     ColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    mark_sequence_parallel,
     set_linear_op,
     tensor_parallel_dropout,
 )
@@ -57,7 +61,7 @@ class GPTBigCodeAttention(nn.Module):
         out = attend(self.attn, q, k, v, dropout_p=self.attn_pdrop, tp_size=self.c_proj.tp_size,
                      kv_cache=kv_cache, layer_idx=self.layer_idx, metadata=metadata)
         return tensor_parallel_dropout(self.c_proj(out), self.resid_pdrop, training=self.training,
-                                       tp_group=self.c_proj.tp_group)
+                                       sharded=self.c_proj.sequence_parallel, tp_group=self.c_proj.tp_group)
 
 
 class GPTBigCodeMLP(nn.Module):
@@ -72,7 +76,8 @@ class GPTBigCodeMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return tensor_parallel_dropout(self.c_proj(self.act(self.c_fc(x))), self.resid_pdrop,
-                                       training=self.training, tp_group=self.c_proj.tp_group)
+                                       training=self.training, sharded=self.c_proj.sequence_parallel,
+                                       tp_group=self.c_proj.tp_group)
 
 
 class GPTBigCodeBlock(nn.Module):
@@ -102,7 +107,8 @@ class GPTBigCodeForCausalLM(PagedDecoderOnlyLM):
     )
 
     def __init__(self, config: Mapping[str, Any], *, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, tp_group: Any = None) -> None:
+                 device: torch.device | str | None = None, tp_group: Any = None,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         if config.get("add_cross_attention", False):
             raise ValueError("add_cross_attention=True (GPT-BigCode as a decoder with cross-attention) is "
@@ -117,9 +123,14 @@ class GPTBigCodeForCausalLM(PagedDecoderOnlyLM):
         self.eos_token_ids = parse_eos_token_ids(config.get("eos_token_id"))
         self.wte = VocabParallelEmbedding(vocab_size, hidden_size, **factory)
         self.wpe = VocabParallelEmbedding(self.max_positions, hidden_size, **factory)
-        self.h = nn.ModuleList(GPTBigCodeBlock(config, i, factory) for i in range(config["n_layer"]))
+        self.sequence_parallel = sequence_parallel
+        layer_factory = {**factory, "sequence_parallel": sequence_parallel}
+        self.h = nn.ModuleList(GPTBigCodeBlock(config, i, layer_factory) for i in range(config["n_layer"]))
         self.ln_f = nn.LayerNorm(hidden_size, eps=config.get("layer_norm_epsilon", 1e-5), dtype=dtype,
                                  device=device)
+        if sequence_parallel:
+            mark_sequence_parallel(self.ln_f, *(norm for block in self.h
+                                                for norm in (block.ln_1, block.ln_2)))
         self.lm_head = ParallelLMHead(vocab_size, hidden_size, **factory)
         self.tie_word_embeddings = config.get("tie_word_embeddings", True)
         if self.tie_word_embeddings:
@@ -137,10 +148,14 @@ class GPTBigCodeForCausalLM(PagedDecoderOnlyLM):
                       kv_cache: PagedKVCache | None = None,
                       metadata: AttentionMetadata | None = None) -> torch.Tensor:
         x = self.wte(input_ids) + self.wpe(positions)  # [batch, seq, hidden]
-        x = tensor_parallel_dropout(x, self.embd_pdrop, training=self.training, tp_group=self.tp_group)
+        if self.sequence_parallel:
+            x = enter_sequence_parallel(x, self.tp_group, kv_cache is not None)  # [batch, seq / tp, hidden]
+        x = tensor_parallel_dropout(x, self.embd_pdrop, training=self.training,
+                                    sharded=self.sequence_parallel, tp_group=self.tp_group)
         for block in self.h:
             x = block(x, kv_cache, metadata)
-        return self.ln_f(x)
+        x = self.ln_f(x)
+        return exit_sequence_parallel(x, self.tp_group) if self.sequence_parallel else x
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden_states)

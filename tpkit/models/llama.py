@@ -5,7 +5,8 @@ RMSNorm -> MergedColumnParallelLinear (gate, up) -> SiLU(gate) * up -> RowParall
 GQA with any KV-head count the QKV layer accepts (KV heads replicated when ranks outnumber them), RoPE with
 the default, linear and llama3 schedules, q/k/v bias (Qwen2, or ``attention_bias``, which also biases
 o_proj), tied or untied embeddings, and in training ``attention_dropout`` (with tp_size > 1 after
-``seed_tensor_parallel``).
+``seed_tensor_parallel``) and, built with ``sequence_parallel=True``, sequence parallelism
+(``tpkit.models.sequence_parallel``).
 
 Where it can, a decode step on one GPU runs a layer as its four products and attention, five kernels:
 RoPE and the cache write in qkv_proj's epilogue, SwiGLU in gate_up_proj's, and each RMSNorm split between
@@ -39,12 +40,14 @@ from tpkit.models.activations import get_activation
 from tpkit.models.dropout import attend
 from tpkit.models.generation import PagedDecoderOnlyLM, parse_eos_token_ids
 from tpkit.models.rope import RotaryEmbedding, rope_parameters
+from tpkit.models.sequence_parallel import enter_sequence_parallel, exit_sequence_parallel
 from tpkit.parallel_layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    mark_sequence_parallel,
     set_linear_op,
 )
 
@@ -83,8 +86,8 @@ class LlamaAttention(nn.Module):
                 metadata: AttentionMetadata | None) -> torch.Tensor:
         if self._rope_and_cache_in_product(kv_cache, metadata):
             return self.o_proj(self.decode_attention(x, cos, sin, kv_cache, metadata))
-        batch, seq = x.shape[:2]
-        qkv = self.qkv_proj(x)  # [batch, seq, q_size + 2 * kv_size]
+        qkv = self.qkv_proj(x)  # [batch, seq, q_size + 2 * kv_size]: every token, also sequence-parallel
+        batch, seq = qkv.shape[:2]
         # q and k heads side by side: one rotation for both.
         qk = qkv[..., : self.q_size + self.kv_size].view(batch, seq, -1, self.head_size)
         qk = apply_rotary(qk, cos, sin).flatten(2)  # [batch, seq, q_size + kv_size]
@@ -187,7 +190,8 @@ class LlamaForCausalLM(PagedDecoderOnlyLM):
     )
 
     def __init__(self, config: Mapping[str, Any], *, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, tp_group: Any = None) -> None:
+                 device: torch.device | str | None = None, tp_group: Any = None,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         architectures = config.get("architectures") or ()
         is_qwen2 = config.get("model_type") == "qwen2" or "Qwen2ForCausalLM" in architectures
@@ -205,11 +209,17 @@ class LlamaForCausalLM(PagedDecoderOnlyLM):
         self.max_positions = config["max_position_embeddings"]
         self.eos_token_ids = parse_eos_token_ids(config.get("eos_token_id"))
         self.embed_tokens = VocabParallelEmbedding(vocab_size, hidden_size, **factory)
+        self.sequence_parallel = sequence_parallel
+        layer_factory = {**factory, "sequence_parallel": sequence_parallel}
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, qkv_bias=qkv_bias, o_bias=o_bias, factory=factory)
+            LlamaDecoderLayer(config, i, qkv_bias=qkv_bias, o_bias=o_bias, factory=layer_factory)
             for i in range(config["num_hidden_layers"])
         )
         self.norm = RMSNorm(hidden_size, config.get("rms_norm_eps", 1e-6), dtype=dtype, device=device)
+        if sequence_parallel:
+            mark_sequence_parallel(self.norm, *(norm for layer in self.layers
+                                                for norm in (layer.input_layernorm,
+                                                             layer.post_attention_layernorm)))
         self.lm_head = ParallelLMHead(vocab_size, hidden_size, **factory)
         self.tie_word_embeddings = config.get("tie_word_embeddings", False)
         if self.tie_word_embeddings:
@@ -232,12 +242,15 @@ class LlamaForCausalLM(PagedDecoderOnlyLM):
                       kv_cache: PagedKVCache | None = None,
                       metadata: AttentionMetadata | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [batch, seq, hidden]
-        cos, sin = self.rotary_emb.cos_sin(positions, x.dtype)
-        if self._norms_in_products(x, kv_cache, metadata):
+        cos, sin = self.rotary_emb.cos_sin(positions, x.dtype)  # every position's, for q and k of every token
+        if self.sequence_parallel:
+            x = enter_sequence_parallel(x, self.tp_group, kv_cache is not None)  # [batch, seq / tp, hidden]
+        elif self._norms_in_products(x, kv_cache, metadata):
             return self._decode_norms_in_products(x, cos, sin, kv_cache, metadata)
         for layer in self.layers:
             x = layer(x, cos, sin, kv_cache, metadata)
-        return self.norm(x)
+        x = self.norm(x)
+        return exit_sequence_parallel(x, self.tp_group) if self.sequence_parallel else x
 
     def _norms_in_products(self, x: torch.Tensor, kv_cache: PagedKVCache | None,
                            metadata: AttentionMetadata | None) -> bool:
