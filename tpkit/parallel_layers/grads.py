@@ -44,8 +44,8 @@ def reduce_kv_replica_grads(module: nn.Module) -> int:
 
 def mark_sequence_parallel(*modules: nn.Module) -> None:
     """Says that the parameters of each module (not its children) act on a rank's share of the tokens
-    under sequence parallelism: the norms between a row-parallel and the next column-parallel layer, a
-    position embedding added there. :func:`reduce_sequence_parallel_grads` then sums their gradients."""
+    under sequence parallelism: the norms between a row-parallel and the next column-parallel layer.
+    :func:`reduce_sequence_parallel_grads` then sums their gradients."""
     for module in modules:
         if not isinstance(module, nn.Module):
             raise TypeError(f"mark_sequence_parallel: expected nn.Module arguments, received "

@@ -203,7 +203,7 @@ class _ColumnParallelBase(_LinearBase):
         if self.tp_size == 1:
             return input_
         if self.sequence_parallel:
-            return gather_from_sequence_parallel_region(input_, self.tp_group)
+            return gather_from_sequence_parallel_region(input_, self.tp_group, partial_grad=True)
         return copy_to_tp_region(input_, self.tp_group)
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:

@@ -10,7 +10,7 @@ reduce_from_tp_region                       all-reduce                     ident
 gather_from_tp_region                       all-gather (last dim)          keep this rank's chunk
 scatter_to_tp_region                        keep this rank's chunk         all-gather (last dim)
 scatter_to_sequence_parallel_region         keep this rank's chunk         all-gather (sequence dim)
-gather_from_sequence_parallel_region        all-gather (sequence dim)      reduce-scatter, or keep chunk
+gather_from_sequence_parallel_region        all-gather (sequence dim)      keep chunk, or reduce-scatter
 reduce_scatter_to_sequence_parallel_region  reduce-scatter (sequence dim)  all-gather (sequence dim)
 ==========================================  =============================  ==============================
 
@@ -265,13 +265,14 @@ def scatter_to_sequence_parallel_region(
 
 def gather_from_sequence_parallel_region(
     input_: torch.Tensor, tp_group: TPGroup | dist.ProcessGroup | None = None, *, dim: int = -2,
-    partial_grad: bool = True,
+    partial_grad: bool = False,
 ) -> torch.Tensor:
     """Concatenates every rank's chunk of the sequence dim, in rank order: ``[..., seq / tp_size, hidden]``
-    -> ``[..., seq, hidden]``. ``partial_grad``: the gathered tensor feeds tensor-parallel layers (a
-    column-parallel linear), each rank's gradient a part of the whole, which the backward sums and scatters
-    (reduce-scatter); False where every rank computes all of it (a replicated consumer): the backward keeps
-    this rank's chunk."""
+    -> ``[..., seq, hidden]``. The backward keeps this rank's chunk of the gradient, which is right where
+    every rank computes all of it: a replicated consumer, or tpkit's LM head (its input copy sums the ranks'
+    gradients itself). ``partial_grad=True`` where each rank's gradient is a part of the whole (the product
+    of a column-parallel weight shard, as inside ``ColumnParallelLinear(sequence_parallel=True)``): the
+    backward sums the parts and scatters them (reduce-scatter)."""
     tp = _resolve_tp_group(tp_group)
     return input_ if tp.size == 1 else _GatherFromSequenceParallelRegion.apply(input_, tp, dim, partial_grad)
 
