@@ -9,8 +9,8 @@ clipping (``clip_grad_norm_``), and compares each parameter's gradient with tran
 as the weights are: loaded through the model's own ``load_weights`` into a zeroed copy of the model.
 Llama with GQA (KV heads replicated at tp_size 4), tied embeddings and biases; GPT-BigCode with
 multi-query attention (replicated at 2 and 4) and its fused ``c_attn``; BART, whose cross-attention is
-``QKVCrossParallelLinear``. The decoder-only models also built with ``sequence_parallel=True`` (their
-norms' gradients summed by ``reduce_sequence_parallel_grads``), at tp_size 2 and 4.
+``QKVCrossParallelLinear``. All three also built with ``sequence_parallel=True`` (their norms' gradients
+summed by ``reduce_sequence_parallel_grads``), at tp_size 2 and 4.
 """
 
 from __future__ import annotations
@@ -175,9 +175,26 @@ def decoder_only_16_tokens(request, tmp_path_factory):
     return str(path), _decoder_only(hf_model, seq_len=16)
 
 
+@pytest.fixture(scope="module")
+def bart_12_and_8_tokens(tmp_path_factory):
+    """BART with 12 encoder and 8 decoder tokens a sequence, which 2 and 4 ranks split."""
+    path = tmp_path_factory.mktemp("bart_sequence_parallel")
+    hf_model = make_bart_checkpoint(path, scale_embedding=True)
+    vocab_size = hf_model.config.vocab_size
+    input_ids, decoder_input_ids, labels = random_token_ids(vocab_size, (2, 12), (2, 8), (2, 8), seed=4)
+    return str(path), _references(hf_model, {"input_ids": input_ids, "decoder_input_ids": decoder_input_ids},
+                                  labels)
+
+
 @pytest.mark.parametrize("tp_size", [2, 4])
 def test_sequence_parallel_training_step(ranks, decoder_only_16_tokens, tp_size):
     path, refs = decoder_only_16_tokens
+    ranks.run(tp_size, check_training_step, path, tp_size, **refs, sequence_parallel=True, timeout=240)
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_bart_sequence_parallel_training_step(ranks, bart_12_and_8_tokens, tp_size):
+    path, refs = bart_12_and_8_tokens
     ranks.run(tp_size, check_training_step, path, tp_size, **refs, sequence_parallel=True, timeout=240)
 
 

@@ -50,8 +50,8 @@ def from_pretrained(name_or_path: str | os.PathLike, *, dtype: torch.dtype | str
     device: default the current CUDA device when the tensor-parallel group runs on NCCL or there is a GPU
     and no group over gloo, else the CPU. tp_group: a TPGroup or ProcessGroup; default the group of
     ``init_tensor_parallel`` (tp_size 1 when nothing is initialised). Every rank must call it.
-    sequence_parallel: for training, the decoder-only models with their residual stream split along the
-    sequence (``tpkit.models.sequence_parallel``); such a model does not generate.
+    sequence_parallel: for training, the model with its residual stream split along the sequence
+    (``tpkit.models.sequence_parallel``); such a model does not generate.
     EOS ids (and BART's decoder start and forced BOS/EOS tokens) come from generation_config.json, else
     config.json.
     """

@@ -9,7 +9,8 @@ positions with BART's offset of 2, optional sqrt(d_model) embedding scale, layer
 tied to the LM head, and ``final_logits_bias`` as the LM head's bias (not trained, as in transformers).
 In training, dropout (``dropout``, ``attention_dropout``, ``activation_dropout``) and layer drop
 (``encoder_layerdrop``, ``decoder_layerdrop``) where transformers applies them; with tp_size > 1 they need
-``seed_tensor_parallel`` first.
+``seed_tensor_parallel`` first. Built with ``sequence_parallel=True``, sequence parallelism
+(``tpkit.models.sequence_parallel``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from tpkit.loaders import load_weights
 from tpkit.models.activations import get_activation
 from tpkit.models.dropout import attend
 from tpkit.models.generation import PagedLM, parse_eos_token_ids, right_pad
+from tpkit.models.sequence_parallel import enter_sequence_parallel, exit_sequence_parallel
 from tpkit.parallel_layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -33,6 +35,7 @@ from tpkit.parallel_layers import (
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    mark_sequence_parallel,
     set_linear_op,
     tensor_parallel_dropout,
 )
@@ -103,8 +106,10 @@ class _BartLayer(nn.Module):
         self.activation_dropout = config.get("activation_dropout", 0.0)
 
     def _residual_dropout(self, x: torch.Tensor) -> torch.Tensor:
-        """A sublayer's output, [batch, seq, d_model], whole on every rank."""
-        return tensor_parallel_dropout(x, self.dropout, training=self.training, tp_group=self.fc2.tp_group)
+        """A sublayer's output, [batch, seq, d_model], whole on every rank (a rank's tokens with sequence
+        parallelism)."""
+        return tensor_parallel_dropout(x, self.dropout, training=self.training,
+                                       sharded=self.fc2.sequence_parallel, tp_group=self.fc2.tp_group)
 
     def _mlp_block(self, x: torch.Tensor) -> torch.Tensor:
         hidden = self.act(self.fc1(x))  # [batch, seq, ffn_dim / tp_size]
@@ -151,14 +156,18 @@ class BartStack(nn.Module):
     """Learned positions, layernorm_embedding and the layers of the encoder or of the decoder."""
 
     def __init__(self, config: Mapping[str, Any], layer_cls: type[nn.Module], num_layers: int,
-                 layerdrop: float, factory: dict[str, Any]) -> None:
+                 layerdrop: float, factory: dict[str, Any], sequence_parallel: bool) -> None:
         super().__init__()
         d_model = config["d_model"]
         self.embed_positions = VocabParallelEmbedding(config["max_position_embeddings"] + POSITION_OFFSET,
                                                       d_model, **factory)
         self.layernorm_embedding = nn.LayerNorm(d_model, dtype=factory["params_dtype"],
                                                 device=factory["device"])
-        self.layers = nn.ModuleList(layer_cls(config, i, factory) for i in range(num_layers))
+        layer_factory = {**factory, "sequence_parallel": sequence_parallel}
+        self.layers = nn.ModuleList(layer_cls(config, i, layer_factory) for i in range(num_layers))
+        if sequence_parallel:  # the layers' norms see a rank's tokens; the embeddings' every token
+            mark_sequence_parallel(*(module for layer in self.layers for module in layer.modules()
+                                     if isinstance(module, nn.LayerNorm)))
         self.dropout = config.get("dropout", 0.0)
         self.layerdrop = layerdrop
 
@@ -192,9 +201,6 @@ class BartForConditionalGeneration(PagedLM):
                  device: torch.device | str | None = None, tp_group: Any = None,
                  sequence_parallel: bool = False) -> None:
         super().__init__()
-        if sequence_parallel:
-            raise ValueError("sequence_parallel=True is not supported for BART (the decoder-only models take "
-                             "it)")
         if config.get("normalize_before", False) or config.get("add_final_layer_norm", False):
             raise ValueError("pre-norm BART variants (normalize_before / add_final_layer_norm, e.g. mBART) "
                              "are not supported")
@@ -210,10 +216,11 @@ class BartForConditionalGeneration(PagedLM):
         self.forced_eos_token_id = config.get("forced_eos_token_id")
         self.embed_scale = math.sqrt(d_model) if config.get("scale_embedding", False) else 1.0
         self.shared = VocabParallelEmbedding(vocab_size, d_model, **factory)
+        self.sequence_parallel = sequence_parallel
         self.encoder = BartStack(config, BartEncoderLayer, config["encoder_layers"],
-                                 config.get("encoder_layerdrop", 0.0), factory)
+                                 config.get("encoder_layerdrop", 0.0), factory, sequence_parallel)
         self.decoder = BartStack(config, BartDecoderLayer, config["decoder_layers"],
-                                 config.get("decoder_layerdrop", 0.0), factory)
+                                 config.get("decoder_layerdrop", 0.0), factory, sequence_parallel)
         self.lm_head = ParallelLMHead(vocab_size, d_model, bias=True, **factory)  # bias: final_logits_bias
         # transformers keeps final_logits_bias as a buffer, which training leaves as it is.
         self.lm_head.bias.requires_grad_(False)
@@ -234,9 +241,12 @@ class BartForConditionalGeneration(PagedLM):
         return embeds if self.embed_scale == 1.0 else embeds * self.embed_scale
 
     def encode(self, input_ids: torch.Tensor, key_lens: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids ``[batch, seq]`` (right-padded to ``key_lens`` if given) -> ``[batch, seq, d_model]``."""
+        """input_ids ``[batch, seq]`` (right-padded to ``key_lens`` if given) -> ``[batch, seq, d_model]``
+        (this rank's ``seq / tp_size`` tokens with sequence parallelism)."""
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         x = self.encoder.embed(self._embed_tokens(input_ids), positions)
+        if self.sequence_parallel:  # and so are the encoder states: [batch, seq / tp_size, d_model]
+            x = enter_sequence_parallel(x, self.tp_group, has_cache=False)
         for layer in self.encoder.active_layers():
             x = layer(x, key_lens)
         return x
@@ -247,9 +257,11 @@ class BartForConditionalGeneration(PagedLM):
         """Decoder hidden states ``[batch, seq, d_model]``; without caches over the whole decoder input."""
         caches, metadata = caches or {}, metadata or {}
         x = self.decoder.embed(self._embed_tokens(input_ids), positions)
+        if self.sequence_parallel:
+            x = enter_sequence_parallel(x, self.tp_group, has_cache=bool(caches))
         for layer in self.decoder.active_layers():
             x = layer(x, encoder_states, caches, metadata)
-        return x
+        return exit_sequence_parallel(x, self.tp_group) if self.sequence_parallel else x
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden_states)

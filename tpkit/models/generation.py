@@ -27,6 +27,7 @@ from torch import nn
 
 from tpkit.attention import AttentionMetadata, PagedKVCache
 from tpkit.models.cuda_graph import DecodeGraph
+from tpkit.models.sequence_parallel import NO_GENERATION
 
 Prompts = Sequence[Sequence[int]] | torch.Tensor
 StepFn = Callable[[torch.Tensor, Mapping[str, AttentionMetadata], Sequence[int]], torch.Tensor]
@@ -190,6 +191,7 @@ class PagedLM(nn.Module, ABC):
     """
 
     kv_block_size = 16
+    sequence_parallel = False  # built for training with the residual stream split along the sequence
     vocab_size: int
     max_positions: int
     eos_token_ids: tuple[int, ...]
@@ -267,6 +269,8 @@ class PagedLM(nn.Module, ABC):
         call for a shape captures it). ``compile`` runs the decode step through ``torch.compile``, which
         fuses its small element-wise kernels (compiled on first use, again for each new batch shape).
         """
+        if self.sequence_parallel:
+            raise ValueError(NO_GENERATION)
         token_lists = check_prompts(prompts, self.vocab_size)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
