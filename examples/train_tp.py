@@ -2,6 +2,7 @@
 
     python examples/train_tp.py                           # 2 CPU ranks (gloo)
     torchrun --nproc-per-node 2 examples/train_tp.py      # 2 GPUs (NCCL), or CPU ranks without
+    python examples/train_tp.py --sequence-parallel       # the residual stream split along the sequence
 
 A small Llama with one KV head (multi-query, so every rank holds a replica of it) is written with random
 weights in HuggingFace format. Every rank loads its shard with ``from_pretrained`` and, as the reference,
@@ -10,13 +11,15 @@ modulo the vocabulary) with the same AdamW. tpkit's loss comes from every positi
 (``model.hidden_states``, no cache) through ``lm_head.cross_entropy``, each rank from its own columns of the
 vocabulary (no rank holds all the logits; transformers' is cross-entropy of the full logits); then
 backward, ``reduce_kv_replica_grads`` (each replica of the KV head holds only its own query
-heads' share of the gradient), ``clip_grad_norm_`` (the whole model's gradient norm, found across the
-ranks), step. AdamW works element by element, so each rank steps its shard alone. The two losses and
+heads' share of the gradient), ``reduce_sequence_parallel_grads`` (with ``--sequence-parallel``: the
+norms, which see a rank's tokens only), ``clip_grad_norm_`` (the whole model's gradient norm, found across
+the ranks), step. AdamW works element by element, so each rank steps its shard alone. The two losses and
 gradient norms agree at every step, and the losses fall; the KV head's replicas stay equal.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 import tempfile
@@ -28,7 +31,12 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tpkit.models import from_pretrained
-from tpkit.parallel_layers import clip_grad_norm_, init_tensor_parallel, reduce_kv_replica_grads
+from tpkit.parallel_layers import (
+    clip_grad_norm_,
+    init_tensor_parallel,
+    reduce_kv_replica_grads,
+    reduce_sequence_parallel_grads,
+)
 
 CONFIG = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=128,
@@ -56,9 +64,9 @@ def vocab_parallel_loss(model, input_ids: torch.Tensor, labels: torch.Tensor) ->
     return model.lm_head.cross_entropy(model.hidden_states(input_ids, positions), labels)
 
 
-def run(path: str, device: torch.device) -> None:
+def run(path: str, device: torch.device, sequence_parallel: bool) -> None:
     tp = init_tensor_parallel()
-    model = from_pretrained(path, device=device).train()
+    model = from_pretrained(path, device=device, sequence_parallel=sequence_parallel).train()
     reference = LlamaForCausalLM.from_pretrained(path).to(device).train()
     optimizers = [torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=0.01) for m in (model, reference)]
     losses, norms = [], []
@@ -66,6 +74,7 @@ def run(path: str, device: torch.device) -> None:
         loss = vocab_parallel_loss(model, input_ids, labels)
         loss.backward()
         reduce_kv_replica_grads(model)
+        reduce_sequence_parallel_grads(model)
         norm = clip_grad_norm_(model, MAX_NORM)
         ref_loss = F.cross_entropy(reference(input_ids).logits.flatten(0, 1), labels.flatten())
         ref_loss.backward()
@@ -77,8 +86,8 @@ def run(path: str, device: torch.device) -> None:
         norms.append((norm.item(), ref_norm.item()))
         if tp.rank == 0 and (step % 5 == 0 or step == STEPS - 1):
             print(f"step {step:2d}: loss {loss.item():.4f}, gradient norm {norm.item():.4f} "
-                  f"(tp_size {tp.size}); {ref_loss.item():.4f}, {ref_norm.item():.4f} "
-                  f"(transformers, unsharded)")
+                  f"(tp_size {tp.size}{', sequence-parallel' if sequence_parallel else ''}); "
+                  f"{ref_loss.item():.4f}, {ref_norm.item():.4f} (transformers, unsharded)")
     worst = max(abs(a - b) / b for a, b in losses + norms)
     assert worst < 1e-3, f"the losses or gradient norms drifted apart: {worst:.2e} relative"
     first, last = losses[0][0], losses[-1][0]
@@ -96,15 +105,19 @@ def run(path: str, device: torch.device) -> None:
               f"head's {tp.size} replicas are equal")
 
 
-def _spawned(rank: int, world_size: int, port: int, path: str) -> None:
+def _spawned(rank: int, world_size: int, port: int, path: str, sequence_parallel: bool) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    run(path, torch.device("cpu"))
+    run(path, torch.device("cpu"), sequence_parallel)
     dist.barrier()  # leave together: a gloo rank torn down while its peer still talks to it can abort
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="Train a tensor-parallel Llama beside transformers.")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="split the residual stream along the sequence (Megatron's sequence parallelism)")
+    args = parser.parse_args()
     with tempfile.TemporaryDirectory() as checkpoint:
         if "WORLD_SIZE" in os.environ:  # torchrun: rank 0 writes the checkpoint, every rank reads it
             on_gpu = torch.cuda.is_available()
@@ -117,7 +130,7 @@ if __name__ == "__main__":
                 write_checkpoint(paths[0])
             dist.barrier()
             run(paths[0], torch.device("cuda", torch.cuda.current_device()) if on_gpu else
-                torch.device("cpu"))
+                torch.device("cpu"), args.sequence_parallel)
             dist.barrier()
             dist.destroy_process_group()
         else:
@@ -125,4 +138,4 @@ if __name__ == "__main__":
             with socket.socket() as s:  # a free port for the ranks to meet on
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
-            mp.spawn(_spawned, args=(2, port, checkpoint), nprocs=2)
+            mp.spawn(_spawned, args=(2, port, checkpoint, args.sequence_parallel), nprocs=2)

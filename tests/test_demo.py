@@ -79,14 +79,16 @@ def test_demo_model_and_prompt_use_the_checkpoint_and_its_tokenizer(tmp_path, ca
 
 
 @_SPAWNS_CPU_RANKS
-@pytest.mark.parametrize(("script", "lines"), [
-    ("custom_model.py", ["tp_size 2: this rank holds 4 of 8 query heads, 1 KV head(s)",
-                         "logits and greedy tokens equal the unsharded model's"]),
-    ("train_tp.py", ["30 steps: the losses and gradient norms agree within",
-                     "the KV head's 2 replicas are equal"]),
+@pytest.mark.parametrize(("script", "args", "lines"), [
+    ("custom_model.py", [], ["tp_size 2: this rank holds 4 of 8 query heads, 1 KV head(s)",
+                             "logits and greedy tokens equal the unsharded model's"]),
+    ("train_tp.py", [], ["30 steps: the losses and gradient norms agree within",
+                         "the KV head's 2 replicas are equal"]),
+    ("train_tp.py", ["--sequence-parallel"], ["(tp_size 2, sequence-parallel)",
+                                              "30 steps: the losses and gradient norms agree within"]),
 ])
-def test_example_runs_on_two_cpu_ranks(script: str, lines: list[str]):
-    result = subprocess.run([sys.executable, f"examples/{script}"], cwd=ROOT, env=_cpu_env(),
+def test_example_runs_on_two_cpu_ranks(script: str, args: list[str], lines: list[str]):
+    result = subprocess.run([sys.executable, f"examples/{script}", *args], cwd=ROOT, env=_cpu_env(),
                             capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr
     for line in lines:
