@@ -81,10 +81,6 @@ def _all_gather_dim(tensor: torch.Tensor, tp: TPGroup, dim: int) -> torch.Tensor
     return stacked.movedim(0, dim).reshape(shape)
 
 
-def _all_gather_last_dim(tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    return _all_gather_dim(tensor, tp, -1)
-
-
 def _chunk_of(size: int, tp: TPGroup, what: str) -> int:
     if size % tp.size:
         raise ValueError(f"the {what} ({size}) must divide by tp_size={tp.size} to scatter it")
@@ -94,10 +90,6 @@ def _chunk_of(size: int, tp: TPGroup, what: str) -> int:
 def _split_dim(tensor: torch.Tensor, tp: TPGroup, dim: int, what: str) -> torch.Tensor:
     chunk = _chunk_of(tensor.shape[dim], tp, what)
     return tensor.narrow(dim, tp.rank * chunk, chunk).contiguous()
-
-
-def _split_last_dim(tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    return _split_dim(tensor, tp, -1, "last dimension")
 
 
 @torch.library.custom_op("tpkit::reduce_scatter", mutates_args=())
@@ -157,22 +149,22 @@ class _GatherFromTPRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input_: torch.Tensor, tp: TPGroup) -> torch.Tensor:
         ctx.tp = tp
-        return _all_gather_last_dim(input_, tp)
+        return _all_gather_dim(input_, tp, -1)
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _split_last_dim(grad_output, ctx.tp), None
+        return _split_dim(grad_output, ctx.tp, -1, "last dimension"), None
 
 
 class _ScatterToTPRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input_: torch.Tensor, tp: TPGroup) -> torch.Tensor:
         ctx.tp = tp
-        return _split_last_dim(input_, tp)
+        return _split_dim(input_, tp, -1, "last dimension")
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_gather_last_dim(grad_output, ctx.tp), None
+        return _all_gather_dim(grad_output, ctx.tp, -1), None
 
 
 class _ScatterToSequenceParallelRegion(torch.autograd.Function):
