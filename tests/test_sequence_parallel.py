@@ -16,6 +16,7 @@ from tpkit.parallel_layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     TPGroup,
+    VocabParallelEmbedding,
     clip_grad_norm_,
     gather_from_sequence_parallel_region,
     init_tensor_parallel,
@@ -76,6 +77,26 @@ def _check_mappings(tp_size: int, dim: int) -> None:
 
     with pytest.raises(ValueError, match=r"sequence dimension \(5\) must divide by tp_size"):
         scatter_to_sequence_parallel_region(torch.zeros(5, 3, device=device), dim=0)
+
+
+def _check_embedding(tp_size: int) -> None:
+    """VocabParallelEmbedding(sequence_parallel=True): this rank's tokens of nn.Embedding's output, and
+    the gradient of its vocabulary rows from every token."""
+    tp = init_tensor_parallel(tp_size)
+    device = multirank.device()
+    torch.manual_seed(0)
+    reference = nn.Embedding(50, HIDDEN).to(device)
+    ids = torch.randint(0, 50, (2, 4 * tp_size), device=device)
+    upstream = torch.randn(2, 4 * tp_size, HIDDEN, device=device)
+    (reference(ids) * upstream).sum().backward()
+    embedding = VocabParallelEmbedding(50, HIDDEN, sequence_parallel=True, device=device)
+    embedding.weight.weight_loader(embedding.weight, reference.weight.detach())
+    out = embedding(ids)  # [2, 4, HIDDEN]
+    mine = slice(4 * tp.rank, 4 * tp.rank + 4)
+    torch.testing.assert_close(out, reference(ids).detach()[:, mine], **TOL)
+    (out * upstream[:, mine]).sum().backward()
+    start, end = embedding.vocab_start_index, min(embedding.vocab_end_index, 50)  # rows past 50: padding
+    torch.testing.assert_close(embedding.weight.grad[: end - start], reference.weight.grad[start:end], **TOL)
 
 
 class _Block(nn.Module):
@@ -147,6 +168,11 @@ def test_sequence_parallel_mappings(ranks, tp_size: int, dim: int) -> None:
 def test_sequence_parallel_block_matches_unsharded(ranks, tp_size: int, shape: tuple[int, ...],
                                                     compiled: bool) -> None:
     ranks.run(tp_size, _check_block, tp_size, shape, compiled, timeout=240)
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_sequence_parallel_embedding(ranks, tp_size: int) -> None:
+    ranks.run(tp_size, _check_embedding, tp_size)
 
 
 def test_sequence_parallel_rejects_bad_arguments() -> None:

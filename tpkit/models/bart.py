@@ -27,7 +27,7 @@ from tpkit.loaders import load_weights
 from tpkit.models.activations import get_activation
 from tpkit.models.dropout import attend
 from tpkit.models.generation import PagedLM, parse_eos_token_ids, right_pad
-from tpkit.models.sequence_parallel import enter_sequence_parallel, exit_sequence_parallel
+from tpkit.models.sequence_parallel import check_sequence_parallel, exit_sequence_parallel
 from tpkit.parallel_layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -160,13 +160,14 @@ class BartStack(nn.Module):
         super().__init__()
         d_model = config["d_model"]
         self.embed_positions = VocabParallelEmbedding(config["max_position_embeddings"] + POSITION_OFFSET,
-                                                      d_model, **factory)
+                                                      d_model, sequence_parallel=sequence_parallel, **factory)
         self.layernorm_embedding = nn.LayerNorm(d_model, dtype=factory["params_dtype"],
                                                 device=factory["device"])
         layer_factory = {**factory, "sequence_parallel": sequence_parallel}
         self.layers = nn.ModuleList(layer_cls(config, i, layer_factory) for i in range(num_layers))
-        if sequence_parallel:  # the layers' norms see a rank's tokens; the embeddings' every token
-            mark_sequence_parallel(*(module for layer in self.layers for module in layer.modules()
+        self.sequence_parallel = sequence_parallel
+        if sequence_parallel:  # every norm sees a rank's tokens
+            mark_sequence_parallel(*(module for module in self.modules()
                                      if isinstance(module, nn.LayerNorm)))
         self.dropout = config.get("dropout", 0.0)
         self.layerdrop = layerdrop
@@ -174,7 +175,7 @@ class BartStack(nn.Module):
     def embed(self, inputs_embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.layernorm_embedding(inputs_embeds + self.embed_positions(positions + POSITION_OFFSET))
         return tensor_parallel_dropout(x, self.dropout, training=self.training,
-                                       tp_group=self.embed_positions.tp_group)
+                                       sharded=self.sequence_parallel, tp_group=self.embed_positions.tp_group)
 
     def active_layers(self) -> Iterator[nn.Module]:
         """The layers, less those layer drop skips in training: one draw a layer from the default generators,
@@ -215,7 +216,8 @@ class BartForConditionalGeneration(PagedLM):
         self.forced_bos_token_id = config.get("forced_bos_token_id")
         self.forced_eos_token_id = config.get("forced_eos_token_id")
         self.embed_scale = math.sqrt(d_model) if config.get("scale_embedding", False) else 1.0
-        self.shared = VocabParallelEmbedding(vocab_size, d_model, **factory)
+        self.shared = VocabParallelEmbedding(vocab_size, d_model, sequence_parallel=sequence_parallel,
+                                             **factory)
         self.sequence_parallel = sequence_parallel
         self.encoder = BartStack(config, BartEncoderLayer, config["encoder_layers"],
                                  config.get("encoder_layerdrop", 0.0), factory, sequence_parallel)
@@ -243,10 +245,10 @@ class BartForConditionalGeneration(PagedLM):
     def encode(self, input_ids: torch.Tensor, key_lens: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids ``[batch, seq]`` (right-padded to ``key_lens`` if given) -> ``[batch, seq, d_model]``
         (this rank's ``seq / tp_size`` tokens with sequence parallelism)."""
+        if self.sequence_parallel:  # and so are the encoder states: [batch, seq / tp_size, d_model]
+            check_sequence_parallel(input_ids, self.tp_group, has_cache=False)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         x = self.encoder.embed(self._embed_tokens(input_ids), positions)
-        if self.sequence_parallel:  # and so are the encoder states: [batch, seq / tp_size, d_model]
-            x = enter_sequence_parallel(x, self.tp_group, has_cache=False)
         for layer in self.encoder.active_layers():
             x = layer(x, key_lens)
         return x
@@ -256,9 +258,9 @@ class BartForConditionalGeneration(PagedLM):
                metadata: Mapping[str, AttentionMetadata] | None = None) -> torch.Tensor:
         """Decoder hidden states ``[batch, seq, d_model]``; without caches over the whole decoder input."""
         caches, metadata = caches or {}, metadata or {}
-        x = self.decoder.embed(self._embed_tokens(input_ids), positions)
         if self.sequence_parallel:
-            x = enter_sequence_parallel(x, self.tp_group, has_cache=bool(caches))
+            check_sequence_parallel(input_ids, self.tp_group, has_cache=bool(caches))
+        x = self.decoder.embed(self._embed_tokens(input_ids), positions)
         for layer in self.decoder.active_layers():
             x = layer(x, encoder_states, caches, metadata)
         return exit_sequence_parallel(x, self.tp_group) if self.sequence_parallel else x

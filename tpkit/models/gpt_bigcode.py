@@ -25,7 +25,7 @@ from tpkit.loaders import load_weights
 from tpkit.models.activations import get_activation
 from tpkit.models.dropout import attend
 from tpkit.models.generation import PagedDecoderOnlyLM, parse_eos_token_ids
-from tpkit.models.sequence_parallel import enter_sequence_parallel, exit_sequence_parallel
+from tpkit.models.sequence_parallel import check_sequence_parallel, exit_sequence_parallel
 from tpkit.parallel_layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -121,8 +121,10 @@ class GPTBigCodeForCausalLM(PagedDecoderOnlyLM):
         self.vocab_size = vocab_size
         self.max_positions = config["n_positions"]
         self.eos_token_ids = parse_eos_token_ids(config.get("eos_token_id"))
-        self.wte = VocabParallelEmbedding(vocab_size, hidden_size, **factory)
-        self.wpe = VocabParallelEmbedding(self.max_positions, hidden_size, **factory)
+        self.wte = VocabParallelEmbedding(vocab_size, hidden_size, sequence_parallel=sequence_parallel,
+                                          **factory)
+        self.wpe = VocabParallelEmbedding(self.max_positions, hidden_size,
+                                          sequence_parallel=sequence_parallel, **factory)
         self.sequence_parallel = sequence_parallel
         layer_factory = {**factory, "sequence_parallel": sequence_parallel}
         self.h = nn.ModuleList(GPTBigCodeBlock(config, i, layer_factory) for i in range(config["n_layer"]))
@@ -147,9 +149,9 @@ class GPTBigCodeForCausalLM(PagedDecoderOnlyLM):
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       kv_cache: PagedKVCache | None = None,
                       metadata: AttentionMetadata | None = None) -> torch.Tensor:
-        x = self.wte(input_ids) + self.wpe(positions)  # [batch, seq, hidden]
         if self.sequence_parallel:
-            x = enter_sequence_parallel(x, self.tp_group, kv_cache is not None)  # [batch, seq / tp, hidden]
+            check_sequence_parallel(input_ids, self.tp_group, kv_cache is not None)
+        x = self.wte(input_ids) + self.wpe(positions)  # [batch, seq, hidden]; sequence-parallel seq / tp
         x = tensor_parallel_dropout(x, self.embd_pdrop, training=self.training,
                                     sharded=self.sequence_parallel, tp_group=self.tp_group)
         for block in self.h:

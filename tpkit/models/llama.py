@@ -40,7 +40,7 @@ from tpkit.models.activations import get_activation
 from tpkit.models.dropout import attend
 from tpkit.models.generation import PagedDecoderOnlyLM, parse_eos_token_ids
 from tpkit.models.rope import RotaryEmbedding, rope_parameters
-from tpkit.models.sequence_parallel import enter_sequence_parallel, exit_sequence_parallel
+from tpkit.models.sequence_parallel import check_sequence_parallel, exit_sequence_parallel
 from tpkit.parallel_layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -208,7 +208,8 @@ class LlamaForCausalLM(PagedDecoderOnlyLM):
         self.vocab_size = vocab_size
         self.max_positions = config["max_position_embeddings"]
         self.eos_token_ids = parse_eos_token_ids(config.get("eos_token_id"))
-        self.embed_tokens = VocabParallelEmbedding(vocab_size, hidden_size, **factory)
+        self.embed_tokens = VocabParallelEmbedding(vocab_size, hidden_size,
+                                                   sequence_parallel=sequence_parallel, **factory)
         self.sequence_parallel = sequence_parallel
         layer_factory = {**factory, "sequence_parallel": sequence_parallel}
         self.layers = nn.ModuleList(
@@ -241,11 +242,11 @@ class LlamaForCausalLM(PagedDecoderOnlyLM):
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       kv_cache: PagedKVCache | None = None,
                       metadata: AttentionMetadata | None = None) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [batch, seq, hidden]
-        cos, sin = self.rotary_emb.cos_sin(positions, x.dtype)  # every position's, for q and k of every token
         if self.sequence_parallel:
-            x = enter_sequence_parallel(x, self.tp_group, kv_cache is not None)  # [batch, seq / tp, hidden]
-        elif self._norms_in_products(x, kv_cache, metadata):
+            check_sequence_parallel(input_ids, self.tp_group, kv_cache is not None)
+        x = self.embed_tokens(input_ids)  # [batch, seq, hidden]; sequence-parallel [batch, seq / tp, hidden]
+        cos, sin = self.rotary_emb.cos_sin(positions, x.dtype)  # every position's, for q and k of every token
+        if not self.sequence_parallel and self._norms_in_products(x, kv_cache, metadata):
             return self._decode_norms_in_products(x, cos, sin, kv_cache, metadata)
         for layer in self.layers:
             x = layer(x, cos, sin, kv_cache, metadata)

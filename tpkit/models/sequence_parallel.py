@@ -1,11 +1,11 @@
 """Sequence parallelism in the reference models (training): where the residual stream is a
 rank's share of the tokens.
 
-Built with ``sequence_parallel=True``, a model splits the embeddings' output along the sequence, its
-linear layers gather and reduce-scatter tokens (``tpkit.parallel_layers``, sequence_parallel=True), its
-norms and the dropout of the residual stream act on a rank's tokens, and the final norm's output is
-gathered again for the LM head (BART: the encoder's and the decoder's embeddings, and the decoder's
-output; cross-attention gathers the encoder's tokens). Such a model runs full forwards only
+Built with ``sequence_parallel=True``, a model's embeddings reduce-scatter their lookups over the
+sequence, its linear layers gather and reduce-scatter tokens (``tpkit.parallel_layers``,
+sequence_parallel=True), its norms and the dropout of the residual stream act on a rank's tokens, and the
+final norm's output is gathered again for the LM head (BART: the encoder's and the decoder's embeddings,
+and the decoder's output; cross-attention gathers the encoder's tokens). Such a model runs full forwards only
 (``model(input_ids)``, no cache): generation takes a model built without it.
 """
 
@@ -13,24 +13,20 @@ from __future__ import annotations
 
 import torch
 
-from tpkit.parallel_layers import (
-    TPGroup,
-    gather_from_sequence_parallel_region,
-    scatter_to_sequence_parallel_region,
-)
+from tpkit.parallel_layers import TPGroup, gather_from_sequence_parallel_region
 
 NO_GENERATION = ("a model built with sequence_parallel=True runs full forwards only (training): generate "
                  "with a model built without it")
 
 
-def enter_sequence_parallel(x: torch.Tensor, tp: TPGroup, has_cache: bool) -> torch.Tensor:
-    """The embeddings' output ``[batch, seq, hidden]`` -> this rank's ``[batch, seq / tp_size, hidden]``."""
+def check_sequence_parallel(input_ids: torch.Tensor, tp: TPGroup, has_cache: bool) -> None:
+    """Before the embeddings split ``input_ids`` ``[batch, seq]``'s tokens over the ranks."""
     if has_cache:
         raise ValueError(NO_GENERATION)
-    if x.shape[1] % tp.size:
+    if input_ids.shape[1] % tp.size:
         raise ValueError(f"sequence_parallel=True splits the sequence over the ranks: expected a sequence "
-                         f"length divisible by tp_size={tp.size}, received {x.shape[1]} (pad the batch)")
-    return scatter_to_sequence_parallel_region(x, tp, dim=1)
+                         f"length divisible by tp_size={tp.size}, received {input_ids.shape[1]} (pad the "
+                         "batch)")
 
 
 def exit_sequence_parallel(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:

@@ -28,7 +28,12 @@ from ._loading import (
 )
 from .cross_entropy import vocab_parallel_cross_entropy
 from .linear_op import _UsesLinearOp
-from .mappings import _reduce_from_tp_region_, copy_to_tp_region, gather_from_tp_region
+from .mappings import (
+    _reduce_from_tp_region_,
+    copy_to_tp_region,
+    gather_from_tp_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
 from .state import TPGroup, _resolve_tp_group
 
 
@@ -102,7 +107,12 @@ class _VocabParallelBase(_LoadableModule):
 
 class VocabParallelEmbedding(_VocabParallelBase):
     """``nn.Embedding`` with the vocabulary rows split over the ranks (ids expected in
-    ``[0, num_embeddings)``): each rank looks up the ids in its rows, zeroes the rest, one all-reduce."""
+    ``[0, num_embeddings)``): each rank looks up the ids in its rows, zeroes the rest, one all-reduce.
+
+    With ``sequence_parallel=True`` (sequence parallelism, ``tpkit.parallel_layers.linear``) the partial
+    lookups are reduce-scattered over the ids' last dim instead: ids ``[..., seq]`` -> this rank's
+    ``[..., seq / tp_size, embedding_dim]``.
+    """
 
     def __init__(
         self,
@@ -110,10 +120,12 @@ class VocabParallelEmbedding(_VocabParallelBase):
         embedding_dim: int,
         padding_size: int = 64,
         *,
+        sequence_parallel: bool = False,
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         tp_group: TPGroup | dist.ProcessGroup | None = None,
     ) -> None:
+        self.sequence_parallel = sequence_parallel
         super().__init__(num_embeddings, embedding_dim, padding_size, bias=False, params_dtype=params_dtype,
                          device=device, tp_group=tp_group)
 
@@ -131,6 +143,8 @@ class VocabParallelEmbedding(_VocabParallelBase):
         local_ids = (input_ids - self.vocab_start_index).masked_fill_(outside, 0)
         output = F.embedding(local_ids, self.weight)
         output.masked_fill_(outside.unsqueeze(-1), 0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(output, self.tp_group)
         return _reduce_from_tp_region_(output, self.tp_group)
 
 
