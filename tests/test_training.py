@@ -134,14 +134,18 @@ def gpt_bigcode(tmp_path_factory):
     return str(path), _decoder_only(make_gpt_bigcode_checkpoint(path))
 
 
-@pytest.fixture(scope="module")
-def bart(tmp_path_factory):
-    path = tmp_path_factory.mktemp("bart_train")
+def _bart(tmp_path_factory, name: str, encoder_len: int, decoder_len: int, seed: int) -> tuple[str, dict]:
+    path = tmp_path_factory.mktemp(name)
     hf_model = make_bart_checkpoint(path, scale_embedding=True)
-    vocab_size = hf_model.config.vocab_size
-    input_ids, decoder_input_ids, labels = random_token_ids(vocab_size, (2, 11), (2, 7), (2, 7), seed=3)
+    shapes = (2, encoder_len), (2, decoder_len), (2, decoder_len)
+    input_ids, decoder_input_ids, labels = random_token_ids(hf_model.config.vocab_size, *shapes, seed=seed)
     return str(path), _references(hf_model, {"input_ids": input_ids, "decoder_input_ids": decoder_input_ids},
                                   labels)
+
+
+@pytest.fixture(scope="module")
+def bart(tmp_path_factory):
+    return _bart(tmp_path_factory, "bart_train", 11, 7, seed=3)
 
 
 @pytest.mark.parametrize("tp_size", [1, 2, 4])
@@ -178,12 +182,7 @@ def decoder_only_16_tokens(request, tmp_path_factory):
 @pytest.fixture(scope="module")
 def bart_12_and_8_tokens(tmp_path_factory):
     """BART with 12 encoder and 8 decoder tokens a sequence, which 2 and 4 ranks split."""
-    path = tmp_path_factory.mktemp("bart_sequence_parallel")
-    hf_model = make_bart_checkpoint(path, scale_embedding=True)
-    vocab_size = hf_model.config.vocab_size
-    input_ids, decoder_input_ids, labels = random_token_ids(vocab_size, (2, 12), (2, 8), (2, 8), seed=4)
-    return str(path), _references(hf_model, {"input_ids": input_ids, "decoder_input_ids": decoder_input_ids},
-                                  labels)
+    return _bart(tmp_path_factory, "bart_sequence_parallel", 12, 8, seed=4)
 
 
 @pytest.mark.parametrize("tp_size", [2, 4])
