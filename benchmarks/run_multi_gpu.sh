@@ -19,9 +19,11 @@ stage build 150 python3 -c "import torch; from tpkit.attention import _cuda
 _cuda.build(torch.cuda.get_device_capability())"
 stage tests 300 torchrun --nproc-per-node "$NPROC" -m pytest tests -q -p no:cacheprovider --tb=short -rfE \
   -W ignore::UserWarning --ignore tests/test_paged_attention_cuda.py
-# The examples over every GPU with NCCL: a custom model's logits and tokens, a training run beside transformers.
-stage examples 120 bash -c "torchrun --nproc-per-node $NPROC examples/custom_model.py && \
-  torchrun --nproc-per-node $NPROC examples/train_tp.py"
+# The examples over every GPU with NCCL: a custom model's logits and tokens, a training run beside transformers
+# (and again with sequence parallelism: NCCL's reduce-scatter).
+stage examples 180 bash -c "torchrun --nproc-per-node $NPROC examples/custom_model.py && \
+  torchrun --nproc-per-node $NPROC examples/train_tp.py && \
+  torchrun --nproc-per-node $NPROC examples/train_tp.py --sequence-parallel"
 stage tp_scaling 300 python3 benchmarks/bench_tp_scaling.py --device cuda --shapes 8b --tp-sizes "$TP_SIZES" \
   --cuda-graph --repeats 2 --profile --out "$OUT"
 stage parity 300 python3 benchmarks/check_tp_parity.py --device cuda --shapes 8b --tp-sizes "$TP_SIZES"
