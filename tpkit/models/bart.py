@@ -27,7 +27,7 @@ from tpkit.loaders import load_weights
 from tpkit.models.activations import get_activation
 from tpkit.models.dropout import attend
 from tpkit.models.generation import PagedLM, parse_eos_token_ids, right_pad
-from tpkit.models.sequence_parallel import check_sequence_parallel, exit_sequence_parallel
+from tpkit.models.sequence_parallel import check_sequence_parallel, exit_sequence_parallel, mark_norms
 from tpkit.parallel_layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -35,7 +35,6 @@ from tpkit.parallel_layers import (
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    mark_sequence_parallel,
     set_linear_op,
     tensor_parallel_dropout,
 )
@@ -166,9 +165,8 @@ class BartStack(nn.Module):
         layer_factory = {**factory, "sequence_parallel": sequence_parallel}
         self.layers = nn.ModuleList(layer_cls(config, i, layer_factory) for i in range(num_layers))
         self.sequence_parallel = sequence_parallel
-        if sequence_parallel:  # every norm sees a rank's tokens
-            mark_sequence_parallel(*(module for module in self.modules()
-                                     if isinstance(module, nn.LayerNorm)))
+        if sequence_parallel:
+            mark_norms(self, nn.LayerNorm)
         self.dropout = config.get("dropout", 0.0)
         self.layerdrop = layerdrop
 

@@ -25,14 +25,13 @@ from tpkit.loaders import load_weights
 from tpkit.models.activations import get_activation
 from tpkit.models.dropout import attend
 from tpkit.models.generation import PagedDecoderOnlyLM, parse_eos_token_ids
-from tpkit.models.sequence_parallel import check_sequence_parallel, exit_sequence_parallel
+from tpkit.models.sequence_parallel import check_sequence_parallel, exit_sequence_parallel, mark_norms
 from tpkit.parallel_layers import (
     ColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    mark_sequence_parallel,
     set_linear_op,
     tensor_parallel_dropout,
 )
@@ -131,8 +130,7 @@ class GPTBigCodeForCausalLM(PagedDecoderOnlyLM):
         self.ln_f = nn.LayerNorm(hidden_size, eps=config.get("layer_norm_epsilon", 1e-5), dtype=dtype,
                                  device=device)
         if sequence_parallel:
-            mark_sequence_parallel(self.ln_f, *(norm for block in self.h
-                                                for norm in (block.ln_1, block.ln_2)))
+            mark_norms(self, nn.LayerNorm)
         self.lm_head = ParallelLMHead(vocab_size, hidden_size, **factory)
         self.tie_word_embeddings = config.get("tie_word_embeddings", True)
         if self.tie_word_embeddings:

@@ -40,14 +40,13 @@ from tpkit.models.activations import get_activation
 from tpkit.models.dropout import attend
 from tpkit.models.generation import PagedDecoderOnlyLM, parse_eos_token_ids
 from tpkit.models.rope import RotaryEmbedding, rope_parameters
-from tpkit.models.sequence_parallel import check_sequence_parallel, exit_sequence_parallel
+from tpkit.models.sequence_parallel import check_sequence_parallel, exit_sequence_parallel, mark_norms
 from tpkit.parallel_layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    mark_sequence_parallel,
     set_linear_op,
 )
 
@@ -218,9 +217,7 @@ class LlamaForCausalLM(PagedDecoderOnlyLM):
         )
         self.norm = RMSNorm(hidden_size, config.get("rms_norm_eps", 1e-6), dtype=dtype, device=device)
         if sequence_parallel:
-            mark_sequence_parallel(self.norm, *(norm for layer in self.layers
-                                                for norm in (layer.input_layernorm,
-                                                             layer.post_attention_layernorm)))
+            mark_norms(self, RMSNorm)
         self.lm_head = ParallelLMHead(vocab_size, hidden_size, **factory)
         self.tie_word_embeddings = config.get("tie_word_embeddings", False)
         if self.tie_word_embeddings:

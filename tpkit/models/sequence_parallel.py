@@ -12,8 +12,9 @@ and the decoder's output; cross-attention gathers the encoder's tokens). Such a 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
-from tpkit.parallel_layers import TPGroup, gather_from_sequence_parallel_region
+from tpkit.parallel_layers import TPGroup, gather_from_sequence_parallel_region, mark_sequence_parallel
 
 NO_GENERATION = ("a model built with sequence_parallel=True runs full forwards only (training): generate "
                  "with a model built without it")
@@ -34,3 +35,10 @@ def exit_sequence_parallel(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     the ranks' gradients itself, so the backward keeps this rank's chunk)."""
     return gather_from_sequence_parallel_region(x, tp, dim=1, partial_grad=False)
 
+
+
+def mark_norms(model: nn.Module, norm_type: type[nn.Module]) -> None:
+    """Every ``norm_type`` module of ``model`` acts on a rank's tokens (all of a reference model's norms sit
+    between a row-parallel layer, or the embeddings, and the next column-parallel one):
+    ``reduce_sequence_parallel_grads`` sums their gradients."""
+    mark_sequence_parallel(*(module for module in model.modules() if isinstance(module, norm_type)))
