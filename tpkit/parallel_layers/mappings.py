@@ -195,7 +195,10 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input_: torch.Tensor, tp: TPGroup, dim: int) -> torch.Tensor:
         ctx.tp, ctx.dim = tp, dim
-        return _reduce_scatter_dim(input_, tp, dim)
+        output = _reduce_scatter_dim(input_, tp, dim)
+        # A view, not tpkit::reduce_scatter's own result (which is what a dim-0 sequence leaves): returned
+        # as is, torch 2.11's compile gave the input a zero gradient.
+        return output.view_as(output)
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None]:
