@@ -35,8 +35,9 @@ from bench_tp_scaling import SHAPES, _config, run_under_torchrun, spawn_ranks  #
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
 
 
-def _checkpoint(config: dict) -> Iterator[tuple[str, torch.Tensor]]:
-    """Full HF-named tensors, each drawn from a generator seeded by its name: the same on every rank."""
+def _checkpoint(config: dict, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full HF-named tensors, each drawn on ``device`` from a generator seeded by its name: the same on every
+    rank. (Drawn on the CPU, the 8B shapes took minutes a model.)"""
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     head_size = hidden // config["num_attention_heads"]
     kv_size = config["num_key_value_heads"] * head_size
@@ -54,8 +55,8 @@ def _checkpoint(config: dict) -> Iterator[tuple[str, torch.Tensor]]:
                    prefix + "mlp.up_proj.weight": (inter, hidden),
                    prefix + "mlp.down_proj.weight": (hidden, inter)}
     for name, shape in shapes.items():
-        generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-        values = torch.randn(shape, generator=generator)
+        generator = torch.Generator(device=device).manual_seed(zlib.crc32(name.encode()))
+        values = torch.randn(shape, generator=generator, device=device)
         # Norm weights near 1, matrices at a scale that keeps activations O(1) through the layers.
         yield name, 1 + 0.1 * values if len(shape) == 1 else values / shape[1] ** 0.5
 
@@ -69,7 +70,7 @@ def _measure(args: argparse.Namespace, device: torch.device) -> dict:
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
         model = LlamaForCausalLM(config, dtype=dtype, device=device).eval()
-        model.load_weights(_checkpoint(config))
+        model.load_weights(_checkpoint(config, device))
         with torch.inference_mode():
             logits = model(prompts.to(device))[:, -1].float().cpu()  # [batch, vocab]
         tokens = model.generate(prompts, args.new_tokens, ignore_eos=True)

@@ -20,6 +20,9 @@ design, only their times mean something:
   its (meaningless) result, and the merge runs: a wave's fixed cost with no bytes streamed.
 - ``nomerge``: the merge kernel is not launched (a cluster merge still runs inside the attention kernel):
   with ``main``, what the merge kernel costs.
+- ``noepi``: the warpgroup kernel's blocks exit after their loop: no meeting of the warpgroups, no epilogue,
+  no cluster merge and no output (wrong by design): with ``main``, what the end of a block costs; with
+  ``noc`` against ``diag_stream_probe.py``, what of the copies is the loop's own.
 - ``timers``: main, plus per-block ``%globaltimer`` stamps written where ``TPKIT_DIAG_TIMERS`` (a device
   address, in the environment at launch or capture) points; ``diag_timers.py`` sets it and reads them.
 
@@ -91,6 +94,12 @@ def _no_tiles(tree: Path) -> None:
         _edit(tree / CSRC / name,
               f"  const int {count} = end > start ? (end - start + kTileTokens - 1) / kTileTokens : 0;\n",
               f"  const int {count} = 0;\n")
+
+
+def _no_epilogue(tree: Path) -> None:
+    _edit(tree / CSRC / "paged_attention_wgmma.cuh", "the stage buffers become the cluster merge's\n"
+          "  grid_launch_dependents();\n", "the stage buffers become the cluster merge's\n"
+          "  grid_launch_dependents();\n  if (num_tiles >= 0) return;\n")
 
 
 def _no_merge_kernel(tree: Path) -> None:
@@ -208,7 +217,7 @@ def _timers(tree: Path) -> None:
     _edit(merge, "acc.w * inv));\n  }\n}", "acc.w * inv));\n  }\n  diag_write_merge(p, entry, released);\n}")
 
 EDITS = {"noc": _no_compute, "nold": _no_loads, "stages": _forced_stages, "partitions": _forced_partitions,
-         "notiles": _no_tiles, "nomerge": _no_merge_kernel, "timers": _timers}
+         "notiles": _no_tiles, "nomerge": _no_merge_kernel, "noepi": _no_epilogue, "timers": _timers}
 
 
 def main() -> None:
