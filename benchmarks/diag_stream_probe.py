@@ -17,7 +17,10 @@ structure to the one before:
   one tile ahead into a ring in shared memory;
 - G: F reading each sequence's length first (the tile count depends on it) and a 48-head query;
 - H: G with the kernel's copy form: byte addresses from 32-bit strides (mad.wide), a predicate a copy and
-  the 128-byte-swizzled planes.
+  the 128-byte-swizzled planes;
+- I: H with the kernel's proxy fence (fence.proxy.async.shared::cta) after each tile's wait;
+- J: I ending as the kernel does: the warpgroups meet through shared memory, the first writes its rows'
+  partial results, and the kernel's own cluster merge (merge_in_cluster) writes a bf16 output.
 
 Four input sets in turn (536 MB, against 60 MB of L2), 5 rounds of them captured in a CUDA graph; per
 variant the median of 15 replays, in us a call, for each of --rounds passes over the variants.
@@ -35,22 +38,32 @@ from torch.utils.cpp_extension import load_inline
 CSRC = Path(__file__).resolve().parent.parent / "tpkit" / "attention" / "csrc"
 NUM_SEQS, SEQ_LEN, NUM_HEADS = 64, 4096, 48
 VARIANTS = ("A one pipeline", "B two warpgroups", "C B + cluster merge", "D C + PDL", "E B + PDL",
-            "F D + random pages", "G F + length, query", "H G + kernel's addresses")
+            "F D + random pages", "G F + length, query", "H G + kernel's addresses", "I H + proxy fence",
+            "J I + kernel's epilogue")
 
 SOURCE = r"""
 #include <cstdint>
 #include <cuda_runtime.h>
-#include "ptx.cuh"
+#include "paged_attention_mma.cuh"  // merge_in_cluster, and through it ptx.cuh and dtype_traits.cuh
+#include "wgmma.cuh"                // fence_proxy_async_shared
 using namespace tpkit;
 
+// What a variant adds (bits of F).
+constexpr int kTwoWarpgroups = 1, kCluster = 2, kPdl = 4, kPaged = 8, kPrologue = 16, kReal = 32, kFence = 64,
+              kEpilogue = 128;
+
 // Rows of 128 bf16 are 16 chunks of 16 bytes; a 64-token tile of K and V is 32 KB; a page 16 tokens.
-template <bool WG2, bool CLUSTER, bool PDL, bool PAGED, bool PROLOGUE, bool REAL>
+template <int F>
 __global__ void __launch_bounds__(256, 1) probe(const uint4* __restrict__ k, const uint4* __restrict__ v,
-                                                float* out, int tokens, const int* __restrict__ tables,
+                                                float* out, __nv_bfloat16* attention_out, int tokens,
+                                                const int* __restrict__ tables,
                                                 const int* __restrict__ seq_lens,
                                                 const uint4* __restrict__ query) {
+  constexpr bool WG2 = F & kTwoWarpgroups, CLUSTER = F & kCluster, PDL = F & kPdl, PAGED = F & kPaged,
+                 PROLOGUE = F & kPrologue, REAL = F & kReal, FENCE = F & kFence, EPILOGUE = F & kEpilogue;
   extern __shared__ __align__(1024) uint8_t smem[];
   __shared__ int ring[2][4][4];  // [warpgroup][tile slot][page]
+  __shared__ float row_lse[64];
   const uint32_t base = smem_addr(smem);
   if (PDL) grid_wait_primary();
   const uint64_t policy = l2_evict_first_policy();
@@ -60,8 +73,8 @@ __global__ void __launch_bounds__(256, 1) probe(const uint4* __restrict__ k, con
   if (PROLOGUE) block_tiles = min(block_tiles, (seq_lens[seq] - half * (tokens / 2) + 63) / 64);
   const uint4* ks = k + (size_t)seq * tokens * 16 + (size_t)half * (tokens / 2) * 16;
   const uint4* vs = v + (size_t)seq * tokens * 16 + (size_t)half * (tokens / 2) * 16;
+  const int wg = tid >> 7, t = tid & 127;
   if (WG2) {
-    const int wg = tid >> 7, t = tid & 127;
     const uint32_t stages = base + wg * 2 * 32768;
     const int num_tiles = block_tiles / 2;
     auto page_of = [&](int tile, int j) {
@@ -108,6 +121,7 @@ __global__ void __launch_bounds__(256, 1) probe(const uint4* __restrict__ k, con
       if (tile + 1 < num_tiles) issue(tile + 1, (tile + 1) & 1);
       cp_async_commit();
       cp_async_wait<1>();
+      if (FENCE) fence_proxy_async_shared();
       if (wg == 0) named_barrier_sync<1, 128>(); else named_barrier_sync<2, 128>();
       if (PAGED && t < 4) ring[wg][(tile + 2) & 3][t] = ahead_page;
       if (wg == 0) named_barrier_sync<1, 128>(); else named_barrier_sync<2, 128>();
@@ -138,7 +152,39 @@ __global__ void __launch_bounds__(256, 1) probe(const uint4* __restrict__ k, con
   __syncthreads();
   if (PDL) grid_launch_dependents();
   float acc = reinterpret_cast<const float*>(smem)[tid];
-  if (CLUSTER) {
+  if (EPILOGUE) {
+    // The warpgroup kernel's end: the second warpgroup leaves 68 floats a thread in its stages for the
+    // first; the first writes its 48 rows' partial results ([64][132] floats) and log-sum-exps; then the
+    // kernel's own cluster merge writes the output.
+    float* state = reinterpret_cast<float*>(smem + 2 * 32768) + t * 68;
+    if (wg == 1) {
+#pragma unroll
+      for (int i = 0; i < 17; ++i) {
+        *reinterpret_cast<float4*>(state + 4 * i) = make_float4(acc, acc, acc, acc);
+      }
+    }
+    __syncthreads();
+    float* partial = reinterpret_cast<float*>(smem);
+    if (wg == 0) {
+#pragma unroll
+      for (int i = 0; i < 17; ++i) {
+        const float4 x = *reinterpret_cast<const float4*>(state + 4 * i);
+        acc += x.x + x.w;
+      }
+      const int lane = t & 31, row0 = (t >> 5) * 16 + (lane >> 2);
+#pragma unroll
+      for (int r = row0; r < row0 + 16; r += 8) {
+        if (r >= 48) continue;
+#pragma unroll
+        for (int n = 0; n < 16; ++n) {
+          *reinterpret_cast<float2*>(partial + r * 132 + n * 8 + ((lane & 3) << 1)) = make_float2(acc, acc);
+        }
+        if ((lane & 3) == 0) row_lse[r] = acc;
+      }
+    }
+    merge_in_cluster<128>(2, 48, row_lse, [&](int r) { return partial + r * 132; },
+                          [&](int r) { return attention_out + (static_cast<int64_t>(seq) * 48 + r) * 128; });
+  } else if (CLUSTER) {
     cluster_sync();
     const uint32_t peer = cluster_map(base, cluster_rank() ^ 1);
 #pragma unroll
@@ -151,11 +197,12 @@ __global__ void __launch_bounds__(256, 1) probe(const uint4* __restrict__ k, con
   out[blockIdx.x * 256 + tid] = acc;
 }
 
-template <bool WG2, bool CLUSTER, bool PDL, bool PAGED, bool PROLOGUE, bool REAL>
-static void launch(const uint4* k, const uint4* v, float* out, int tokens, int blocks, cudaStream_t stream,
-                   const int* tables, const int* seq_lens, const uint4* query) {
-  const auto kernel = probe<WG2, CLUSTER, PDL, PAGED, PROLOGUE, REAL>;
-  const int bytes = WG2 ? 4 * 32768 + 48 * 256 : 3 * 32768;
+template <int F>
+static void launch(const uint4* k, const uint4* v, float* out, __nv_bfloat16* attention_out, int tokens,
+                   int blocks, cudaStream_t stream, const int* tables, const int* seq_lens,
+                   const uint4* query) {
+  const auto kernel = probe<F>;
+  const int bytes = F & kTwoWarpgroups ? 4 * 32768 + 48 * 256 : 3 * 32768;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(blocks);
@@ -164,51 +211,56 @@ static void launch(const uint4* k, const uint4* v, float* out, int tokens, int b
   config.stream = stream;
   cudaLaunchAttribute attrs[2] = {};
   int n = 0;
-  if (PDL) {
+  if (F & kPdl) {
     attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attrs[n++].val.programmaticStreamSerializationAllowed = 1;
   }
-  if (CLUSTER) {
+  if (F & kCluster) {
     attrs[n].id = cudaLaunchAttributeClusterDimension;
     attrs[n++].val.clusterDim = {2, 1, 1};
   }
   config.attrs = attrs;
   config.numAttrs = n;
-  cudaLaunchKernelEx(&config, kernel, k, v, out, tokens, tables, seq_lens, query);
+  cudaLaunchKernelEx(&config, kernel, k, v, out, attention_out, tokens, tables, seq_lens, query);
 }
 
 void run_probe(int64_t variant, int64_t k, int64_t v, int64_t tables, int64_t seq_lens, int64_t query,
-               int64_t out, int64_t tokens, int64_t blocks, int64_t stream) {
+               int64_t out, int64_t attention_out, int64_t tokens, int64_t blocks, int64_t stream) {
   const auto kp = reinterpret_cast<const uint4*>(k);
   const auto vp = reinterpret_cast<const uint4*>(v);
   const auto tp = reinterpret_cast<const int*>(tables);
   const auto lp = reinterpret_cast<const int*>(seq_lens);
   const auto qp = reinterpret_cast<const uint4*>(query);
   const auto op = reinterpret_cast<float*>(out);
+  const auto ap = reinterpret_cast<__nv_bfloat16*>(attention_out);
   const auto s = reinterpret_cast<cudaStream_t>(stream);
   const int t = static_cast<int>(tokens), b = static_cast<int>(blocks);
+  constexpr int C = kTwoWarpgroups | kCluster, D = C | kPdl, F = D | kPaged, H = F | kPrologue | kReal;
   switch (variant) {
-    case 0: launch<false, false, false, false, false, false>(kp, vp, op, t, b, s, tp, lp, qp); break;
-    case 1: launch<true, false, false, false, false, false>(kp, vp, op, t, b, s, tp, lp, qp); break;
-    case 2: launch<true, true, false, false, false, false>(kp, vp, op, t, b, s, tp, lp, qp); break;
-    case 3: launch<true, true, true, false, false, false>(kp, vp, op, t, b, s, tp, lp, qp); break;
-    case 4: launch<true, false, true, false, false, false>(kp, vp, op, t, b, s, tp, lp, qp); break;
-    case 5: launch<true, true, true, true, false, false>(kp, vp, op, t, b, s, tp, lp, qp); break;
-    case 6: launch<true, true, true, true, true, false>(kp, vp, op, t, b, s, tp, lp, qp); break;
-    default: launch<true, true, true, true, true, true>(kp, vp, op, t, b, s, tp, lp, qp); break;
+    case 0: launch<0>(kp, vp, op, ap, t, b, s, tp, lp, qp); break;
+    case 1: launch<kTwoWarpgroups>(kp, vp, op, ap, t, b, s, tp, lp, qp); break;
+    case 2: launch<C>(kp, vp, op, ap, t, b, s, tp, lp, qp); break;
+    case 3: launch<D>(kp, vp, op, ap, t, b, s, tp, lp, qp); break;
+    case 4: launch<kTwoWarpgroups | kPdl>(kp, vp, op, ap, t, b, s, tp, lp, qp); break;
+    case 5: launch<F>(kp, vp, op, ap, t, b, s, tp, lp, qp); break;
+    case 6: launch<F | kPrologue>(kp, vp, op, ap, t, b, s, tp, lp, qp); break;
+    case 7: launch<H>(kp, vp, op, ap, t, b, s, tp, lp, qp); break;
+    case 8: launch<H | kFence>(kp, vp, op, ap, t, b, s, tp, lp, qp); break;
+    default: launch<H | kFence | kEpilogue>(kp, vp, op, ap, t, b, s, tp, lp, qp); break;
   }
 }
 """
 DECLARATION = ("void run_probe(int64_t variant, int64_t k, int64_t v, int64_t tables, int64_t seq_lens, "
-               "int64_t query, int64_t out, int64_t tokens, int64_t blocks, int64_t stream);")
+               "int64_t query, int64_t out, int64_t attention_out, int64_t tokens, int64_t blocks, "
+               "int64_t stream);")
 
 
 def _time_variant(ext, variant: int, sets: list[tuple[torch.Tensor, ...]], seq_lens: torch.Tensor,
-                  query: torch.Tensor, out: torch.Tensor) -> float:
+                  query: torch.Tensor, out: torch.Tensor, attention_out: torch.Tensor) -> float:
     """Median us a call over 15 replays of a graph of 5 rounds over the input sets."""
     def call(k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor) -> None:
         ext.run_probe(variant, k.data_ptr(), v.data_ptr(), tables.data_ptr(), seq_lens.data_ptr(),
-                      query.data_ptr(), out.data_ptr(), SEQ_LEN, 2 * NUM_SEQS,
+                      query.data_ptr(), out.data_ptr(), attention_out.data_ptr(), SEQ_LEN, 2 * NUM_SEQS,
                       torch.cuda.current_stream().cuda_stream)
 
     stream = torch.cuda.Stream()
@@ -249,10 +301,11 @@ def main() -> None:
     seq_lens = torch.full((NUM_SEQS,), SEQ_LEN, dtype=torch.int32, device="cuda")
     query = torch.randn(NUM_SEQS, NUM_HEADS, 128, device="cuda").bfloat16()
     out = torch.zeros(2 * NUM_SEQS * 256, device="cuda")
+    attention_out = torch.empty(NUM_SEQS, NUM_HEADS, 128, dtype=torch.bfloat16, device="cuda")
     results = {variant: [] for variant in range(len(VARIANTS))}
     for _ in range(args.rounds):
         for variant in results:
-            results[variant].append(_time_variant(ext, variant, sets, seq_lens, query, out))
+            results[variant].append(_time_variant(ext, variant, sets, seq_lens, query, out, attention_out))
     print(f"variant                    | us a call, {args.rounds} rounds")
     for variant, name in enumerate(VARIANTS):
         print(f"{name:26s} | " + " / ".join(f"{t:.1f}" for t in results[variant]))
