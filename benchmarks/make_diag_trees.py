@@ -20,6 +20,9 @@ design, only their times mean something:
   its (meaningless) result, and the merge runs: a wave's fixed cost with no bytes streamed.
 - ``nomerge``: the merge kernel is not launched (a cluster merge still runs inside the attention kernel):
   with ``main``, what the merge kernel costs.
+- ``fencefirst``: the warpgroup kernel waits for its tile, fences and passes its barrier before it issues
+  the next tile's copies (main issues them first): whether ``fence.proxy.async`` also waits for the copies
+  in flight, which would leave each warpgroup one tile in flight only while it waits.
 - ``noepi``: the warpgroup kernel's blocks exit after their loop: no meeting of the warpgroups, no epilogue,
   no cluster merge and no output (wrong by design): with ``main``, what the end of a block costs; with
   ``noc`` against ``diag_stream_probe.py``, what of the copies is the loop's own.
@@ -94,6 +97,17 @@ def _no_tiles(tree: Path) -> None:
         _edit(tree / CSRC / name,
               f"  const int {count} = end > start ? (end - start + kTileTokens - 1) / kTileTokens : 0;\n",
               f"  const int {count} = 0;\n")
+
+
+def _fence_first(tree: Path) -> None:
+    issue = ("    if (next < num_tiles) issue_tile(next, stage == 0 ? num_stages - 1 : stage - 1);\n"
+             "    cp_async_commit();\n")
+    wait = "    cp_async_wait_dynamic(num_stages - {}); "
+    ready = (" // this tile (and, the first time, the query) has landed\n"
+             "    fence_proxy_async_shared();             // ... and is visible to wgmma\n"
+             "    warpgroup_sync();\n")
+    _edit(tree / CSRC / "paged_attention_wgmma.cuh", issue + wait.format(1) + ready,
+          wait.format(2) + ready + issue)
 
 
 def _no_epilogue(tree: Path) -> None:
@@ -217,7 +231,8 @@ def _timers(tree: Path) -> None:
     _edit(merge, "acc.w * inv));\n  }\n}", "acc.w * inv));\n  }\n  diag_write_merge(p, entry, released);\n}")
 
 EDITS = {"noc": _no_compute, "nold": _no_loads, "stages": _forced_stages, "partitions": _forced_partitions,
-         "notiles": _no_tiles, "nomerge": _no_merge_kernel, "noepi": _no_epilogue, "timers": _timers}
+         "notiles": _no_tiles, "nomerge": _no_merge_kernel, "noepi": _no_epilogue,
+         "fencefirst": _fence_first, "timers": _timers}
 
 
 def main() -> None:
