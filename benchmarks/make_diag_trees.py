@@ -23,9 +23,6 @@ design, only their times mean something:
 - ``fencefirst``: the warpgroup kernel waits for its tile, fences and passes its barrier before it issues
   the next tile's copies (main issues them first): whether ``fence.proxy.async`` also waits for the copies
   in flight, which would leave each warpgroup one tile in flight only while it waits.
-- ``lightfence``: the warpgroup kernel's proxy fence is the one-way generic-to-async release form
-  (``fence.proxy.async::generic.release.sync_restrict::shared::cta.cluster``) instead of the two-way
-  ``fence.proxy.async.shared::cta``: what the fence's weight costs.
 - ``noepi``: the warpgroup kernel's blocks exit after their loop: no meeting of the warpgroups, no epilogue,
   no cluster merge and no output (wrong by design): with ``main``, what the end of a block costs; with
   ``noc`` against ``diag_stream_probe.py``, what of the copies is the loop's own.
@@ -111,11 +108,6 @@ def _fence_first(tree: Path) -> None:
              "    warpgroup_sync();\n")
     _edit(tree / CSRC / "paged_attention_wgmma.cuh", issue + wait.format(1) + ready,
           wait.format(2) + ready + issue)
-
-
-def _light_fence(tree: Path) -> None:
-    _edit(tree / CSRC / "wgmma.cuh", '"fence.proxy.async.shared::cta;\\n"',
-          '"fence.proxy.async::generic.release.sync_restrict::shared::cta.cluster;\\n"')
 
 
 def _no_epilogue(tree: Path) -> None:
@@ -240,7 +232,7 @@ def _timers(tree: Path) -> None:
 
 EDITS = {"noc": _no_compute, "nold": _no_loads, "stages": _forced_stages, "partitions": _forced_partitions,
          "notiles": _no_tiles, "nomerge": _no_merge_kernel, "noepi": _no_epilogue,
-         "fencefirst": _fence_first, "lightfence": _light_fence, "timers": _timers}
+         "fencefirst": _fence_first, "timers": _timers}
 
 
 def main() -> None:
