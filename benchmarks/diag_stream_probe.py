@@ -20,7 +20,10 @@ structure to the one before:
   the 128-byte-swizzled planes;
 - I: H with the kernel's proxy fence (fence.proxy.async.shared::cta) after each tile's wait;
 - J: I ending as the kernel does: the warpgroups meet through shared memory, the first writes its rows'
-  partial results, and the kernel's own cluster merge (merge_in_cluster) writes a bf16 output.
+  partial results, and the kernel's own cluster merge (merge_in_cluster) writes a bf16 output;
+- K: H with 1600 clocks of busy work a tile after the barrier (about a tile's arithmetic in the kernel);
+- L: K with the proxy fence where the kernel has it (after the next tile's copies are issued);
+- M: K with the fence first: wait for the tile, fence and barrier, then issue the next tile's copies.
 
 Four input sets in turn (536 MB, against 60 MB of L2), 5 rounds of them captured in a CUDA graph; per
 variant the median of 15 replays, in us a call, for each of --rounds passes over the variants.
@@ -39,7 +42,7 @@ CSRC = Path(__file__).resolve().parent.parent / "tpkit" / "attention" / "csrc"
 NUM_SEQS, SEQ_LEN, NUM_HEADS = 64, 4096, 48
 VARIANTS = ("A one pipeline", "B two warpgroups", "C B + cluster merge", "D C + PDL", "E B + PDL",
             "F D + random pages", "G F + length, query", "H G + kernel's addresses", "I H + proxy fence",
-            "J I + kernel's epilogue")
+            "J I + kernel's epilogue", "K H + work a tile", "L K + proxy fence", "M L, fence first")
 
 SOURCE = r"""
 #include <cstdint>
@@ -50,7 +53,7 @@ using namespace tpkit;
 
 // What a variant adds (bits of F).
 constexpr int kTwoWarpgroups = 1, kCluster = 2, kPdl = 4, kPaged = 8, kPrologue = 16, kReal = 32, kFence = 64,
-              kEpilogue = 128;
+              kEpilogue = 128, kWork = 256, kFenceFirst = 512;
 
 // Rows of 128 bf16 are 16 chunks of 16 bytes; a 64-token tile of K and V is 32 KB; a page 16 tokens.
 template <int F>
@@ -60,7 +63,8 @@ __global__ void __launch_bounds__(256, 1) probe(const uint4* __restrict__ k, con
                                                 const int* __restrict__ seq_lens,
                                                 const uint4* __restrict__ query) {
   constexpr bool WG2 = F & kTwoWarpgroups, CLUSTER = F & kCluster, PDL = F & kPdl, PAGED = F & kPaged,
-                 PROLOGUE = F & kPrologue, REAL = F & kReal, FENCE = F & kFence, EPILOGUE = F & kEpilogue;
+                 PROLOGUE = F & kPrologue, REAL = F & kReal, FENCE = F & kFence, EPILOGUE = F & kEpilogue,
+                 WORK = F & kWork, FENCE_FIRST = F & kFenceFirst;
   extern __shared__ __align__(1024) uint8_t smem[];
   __shared__ int ring[2][4][4];  // [warpgroup][tile slot][page]
   __shared__ float row_lse[64];
@@ -118,11 +122,22 @@ __global__ void __launch_bounds__(256, 1) probe(const uint4* __restrict__ k, con
     cp_async_commit();
     for (int tile = 0; tile < num_tiles; ++tile) {
       const int ahead_page = PAGED && t < 4 ? page_of(tile + 2, t) : 0;
-      if (tile + 1 < num_tiles) issue(tile + 1, (tile + 1) & 1);
-      cp_async_commit();
-      cp_async_wait<1>();
+      if (!FENCE_FIRST) {
+        if (tile + 1 < num_tiles) issue(tile + 1, (tile + 1) & 1);
+        cp_async_commit();
+      }
+      cp_async_wait<FENCE_FIRST ? 0 : 1>();
       if (FENCE) fence_proxy_async_shared();
       if (wg == 0) named_barrier_sync<1, 128>(); else named_barrier_sync<2, 128>();
+      if (FENCE_FIRST) {
+        if (tile + 1 < num_tiles) issue(tile + 1, (tile + 1) & 1);
+        cp_async_commit();
+      }
+      if (WORK) {  // about a tile's arithmetic in the kernel (0.8 us an SM, eighth session's nold)
+        const long long begin = clock64();
+        while (clock64() - begin < 1600) {
+        }
+      }
       if (PAGED && t < 4) ring[wg][(tile + 2) & 3][t] = ahead_page;
       if (wg == 0) named_barrier_sync<1, 128>(); else named_barrier_sync<2, 128>();
     }
@@ -246,7 +261,10 @@ void run_probe(int64_t variant, int64_t k, int64_t v, int64_t tables, int64_t se
     case 6: launch<F | kPrologue>(kp, vp, op, ap, t, b, s, tp, lp, qp); break;
     case 7: launch<H>(kp, vp, op, ap, t, b, s, tp, lp, qp); break;
     case 8: launch<H | kFence>(kp, vp, op, ap, t, b, s, tp, lp, qp); break;
-    default: launch<H | kFence | kEpilogue>(kp, vp, op, ap, t, b, s, tp, lp, qp); break;
+    case 9: launch<H | kFence | kEpilogue>(kp, vp, op, ap, t, b, s, tp, lp, qp); break;
+    case 10: launch<H | kWork>(kp, vp, op, ap, t, b, s, tp, lp, qp); break;
+    case 11: launch<H | kWork | kFence>(kp, vp, op, ap, t, b, s, tp, lp, qp); break;
+    default: launch<H | kWork | kFence | kFenceFirst>(kp, vp, op, ap, t, b, s, tp, lp, qp); break;
   }
 }
 """
