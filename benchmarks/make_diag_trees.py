@@ -23,6 +23,11 @@ design, only their times mean something:
 - ``fencefirst``: the warpgroup kernel waits for its tile, fences and passes its barrier before it issues
   the next tile's copies (main issues them first): whether ``fence.proxy.async`` also waits for the copies
   in flight, which would leave each warpgroup one tile in flight only while it waits.
+- ``lightcluster``: the cluster merge's two barriers without ``barrier.cluster.arrive.release`` (which is
+  ``MEMBAR.ALL.GPU``: it waits for the block's global stores too): the first makes the partial results
+  visible with ``fence.release.sync_restrict::shared::cta.cluster`` (``MEMBAR.ALL.CTA``) and a relaxed
+  arrive, the second, which only keeps a block's shared memory alive until its peers have read it, arrives
+  relaxed.
 - ``noepi``: the warpgroup kernel's blocks exit after their loop: no meeting of the warpgroups, no epilogue,
   no cluster merge and no output (wrong by design): with ``main``, what the end of a block costs; with
   ``noc`` against ``diag_stream_probe.py``, what of the copies is the loop's own.
@@ -108,6 +113,16 @@ def _fence_first(tree: Path) -> None:
              "    warpgroup_sync();\n")
     _edit(tree / CSRC / "paged_attention_wgmma.cuh", issue + wait.format(1) + ready,
           wait.format(2) + ready + issue)
+
+
+def _light_cluster(tree: Path) -> None:
+    mma = tree / CSRC / "paged_attention_mma.cuh"
+    wait = 'barrier.cluster.wait.acquire.aligned;\\n" ::: "memory");'
+    _edit(mma, "  cluster_sync();  // every partition's row_out and row_lse are written\n",
+          '  asm volatile("fence.release.sync_restrict::shared::cta.cluster;\\n'
+          'barrier.cluster.arrive.relaxed.aligned;\\n' + wait + "\n")
+    _edit(mma, "  cluster_sync();  // no block exits while another still reads its shared memory\n",
+          '  asm volatile("barrier.cluster.arrive.relaxed.aligned;\\n' + wait + "\n")
 
 
 def _no_epilogue(tree: Path) -> None:
@@ -232,7 +247,7 @@ def _timers(tree: Path) -> None:
 
 EDITS = {"noc": _no_compute, "nold": _no_loads, "stages": _forced_stages, "partitions": _forced_partitions,
          "notiles": _no_tiles, "nomerge": _no_merge_kernel, "noepi": _no_epilogue,
-         "fencefirst": _fence_first, "timers": _timers}
+         "fencefirst": _fence_first, "lightcluster": _light_cluster, "timers": _timers}
 
 
 def main() -> None:
