@@ -23,6 +23,8 @@ design, only their times mean something:
 - ``fencefirst``: the warpgroup kernel waits for its tile, fences and passes its barrier before it issues
   the next tile's copies (main issues them first): whether ``fence.proxy.async`` also waits for the copies
   in flight, which would leave each warpgroup one tile in flight only while it waits.
+- ``nofence``: the warpgroup kernel's loop without its proxy fence (CUTLASS's cp.async GMMA mainloop,
+  ``sm90_mma_multistage_gmma_ss.hpp``, has none): what the fence costs in all; not with ``fencefirst``.
 - ``lightcluster``: the cluster merge's two barriers without ``barrier.cluster.arrive.release`` (which is
   ``MEMBAR.ALL.GPU``: it waits for the block's global stores too): the first makes the partial results
   visible with ``fence.release.sync_restrict::shared::cta.cluster`` (``MEMBAR.ALL.CTA``) and a relaxed
@@ -113,6 +115,11 @@ def _fence_first(tree: Path) -> None:
              "    warpgroup_sync();\n")
     _edit(tree / CSRC / "paged_attention_wgmma.cuh", issue + wait.format(1) + ready,
           wait.format(2) + ready + issue)
+
+
+def _no_fence(tree: Path) -> None:
+    _edit(tree / CSRC / "paged_attention_wgmma.cuh",
+          "    fence_proxy_async_shared();             // ... and is visible to wgmma\n", "")
 
 
 def _light_cluster(tree: Path) -> None:
@@ -247,7 +254,7 @@ def _timers(tree: Path) -> None:
 
 EDITS = {"noc": _no_compute, "nold": _no_loads, "stages": _forced_stages, "partitions": _forced_partitions,
          "notiles": _no_tiles, "nomerge": _no_merge_kernel, "noepi": _no_epilogue,
-         "fencefirst": _fence_first, "lightcluster": _light_cluster, "timers": _timers}
+         "fencefirst": _fence_first, "nofence": _no_fence, "lightcluster": _light_cluster, "timers": _timers}
 
 
 def main() -> None:
