@@ -32,11 +32,14 @@ variant the median of 15 replays, in us a call, for each of --rounds passes over
 from __future__ import annotations
 
 import argparse
-import statistics
+import sys
 from pathlib import Path
 
 import torch
 from torch.utils.cpp_extension import load_inline
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_paged_attention import _graph_time_us  # noqa: E402
 
 CSRC = Path(__file__).resolve().parent.parent / "tpkit" / "attention" / "csrc"
 NUM_SEQS, SEQ_LEN, NUM_HEADS = 64, 4096, 48
@@ -251,55 +254,17 @@ void run_probe(int64_t variant, int64_t k, int64_t v, int64_t tables, int64_t se
   const auto s = reinterpret_cast<cudaStream_t>(stream);
   const int t = static_cast<int>(tokens), b = static_cast<int>(blocks);
   constexpr int C = kTwoWarpgroups | kCluster, D = C | kPdl, F = D | kPaged, H = F | kPrologue | kReal;
-  switch (variant) {
-    case 0: launch<0>(kp, vp, op, ap, t, b, s, tp, lp, qp); break;
-    case 1: launch<kTwoWarpgroups>(kp, vp, op, ap, t, b, s, tp, lp, qp); break;
-    case 2: launch<C>(kp, vp, op, ap, t, b, s, tp, lp, qp); break;
-    case 3: launch<D>(kp, vp, op, ap, t, b, s, tp, lp, qp); break;
-    case 4: launch<kTwoWarpgroups | kPdl>(kp, vp, op, ap, t, b, s, tp, lp, qp); break;
-    case 5: launch<F>(kp, vp, op, ap, t, b, s, tp, lp, qp); break;
-    case 6: launch<F | kPrologue>(kp, vp, op, ap, t, b, s, tp, lp, qp); break;
-    case 7: launch<H>(kp, vp, op, ap, t, b, s, tp, lp, qp); break;
-    case 8: launch<H | kFence>(kp, vp, op, ap, t, b, s, tp, lp, qp); break;
-    case 9: launch<H | kFence | kEpilogue>(kp, vp, op, ap, t, b, s, tp, lp, qp); break;
-    case 10: launch<H | kWork>(kp, vp, op, ap, t, b, s, tp, lp, qp); break;
-    case 11: launch<H | kWork | kFence>(kp, vp, op, ap, t, b, s, tp, lp, qp); break;
-    default: launch<H | kWork | kFence | kFenceFirst>(kp, vp, op, ap, t, b, s, tp, lp, qp); break;
-  }
+  // VARIANTS, in order (A .. M).
+  static constexpr decltype(&launch<0>) kLaunches[] = {
+      launch<0>, launch<kTwoWarpgroups>, launch<C>, launch<D>, launch<kTwoWarpgroups | kPdl>, launch<F>,
+      launch<F | kPrologue>, launch<H>, launch<H | kFence>, launch<H | kFence | kEpilogue>, launch<H | kWork>,
+      launch<H | kWork | kFence>, launch<H | kWork | kFence | kFenceFirst>};
+  kLaunches[variant](kp, vp, op, ap, t, b, s, tp, lp, qp);
 }
 """
 DECLARATION = ("void run_probe(int64_t variant, int64_t k, int64_t v, int64_t tables, int64_t seq_lens, "
                "int64_t query, int64_t out, int64_t attention_out, int64_t tokens, int64_t blocks, "
                "int64_t stream);")
-
-
-def _time_variant(ext, variant: int, sets: list[tuple[torch.Tensor, ...]], seq_lens: torch.Tensor,
-                  query: torch.Tensor, out: torch.Tensor, attention_out: torch.Tensor) -> float:
-    """Median us a call over 15 replays of a graph of 5 rounds over the input sets."""
-    def call(k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor) -> None:
-        ext.run_probe(variant, k.data_ptr(), v.data_ptr(), tables.data_ptr(), seq_lens.data_ptr(),
-                      query.data_ptr(), out.data_ptr(), attention_out.data_ptr(), SEQ_LEN, 2 * NUM_SEQS,
-                      torch.cuda.current_stream().cuda_stream)
-
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for inputs in sets:  # compiles nothing, but loads the kernel before capture
-            call(*inputs)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(5):
-                for inputs in sets:
-                    call(*inputs)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(15):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / (5 * len(sets)))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -320,10 +285,17 @@ def main() -> None:
     query = torch.randn(NUM_SEQS, NUM_HEADS, 128, device="cuda").bfloat16()
     out = torch.zeros(2 * NUM_SEQS * 256, device="cuda")
     attention_out = torch.empty(NUM_SEQS, NUM_HEADS, 128, dtype=torch.bfloat16, device="cuda")
+    def call(variant: int, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor) -> None:
+        ext.run_probe(variant, k.data_ptr(), v.data_ptr(), tables.data_ptr(), seq_lens.data_ptr(),
+                      query.data_ptr(), out.data_ptr(), attention_out.data_ptr(), SEQ_LEN, 2 * NUM_SEQS,
+                      torch.cuda.current_stream().cuda_stream)
+
     results = {variant: [] for variant in range(len(VARIANTS))}
     for _ in range(args.rounds):
         for variant in results:
-            results[variant].append(_time_variant(ext, variant, sets, seq_lens, query, out, attention_out))
+            # One graph of 5 rounds over the input sets, as the benchmark times its calls.
+            calls = [lambda variant=variant, inputs=inputs: call(variant, *inputs) for inputs in sets] * 5
+            results[variant].append(_graph_time_us(calls, 15))
     print(f"variant                    | us a call, {args.rounds} rounds")
     for variant, name in enumerate(VARIANTS):
         print(f"{name:26s} | " + " / ".join(f"{t:.1f}" for t in results[variant]))
