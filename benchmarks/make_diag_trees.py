@@ -25,11 +25,6 @@ design, only their times mean something:
   in flight, which would leave each warpgroup one tile in flight only while it waits.
 - ``nofence``: the warpgroup kernel's loop without its proxy fence (CUTLASS's cp.async GMMA mainloop,
   ``sm90_mma_multistage_gmma_ss.hpp``, has none): what the fence costs in all; not with ``fencefirst``.
-- ``lightcluster``: the cluster merge's two barriers without ``barrier.cluster.arrive.release`` (which is
-  ``MEMBAR.ALL.GPU``: it waits for the block's global stores too): the first makes the partial results
-  visible with ``fence.release.sync_restrict::shared::cta.cluster`` (``MEMBAR.ALL.CTA``) and a relaxed
-  arrive, the second, which only keeps a block's shared memory alive until its peers have read it, arrives
-  relaxed.
 - ``noepi``: the warpgroup kernel's blocks exit after their loop: no meeting of the warpgroups, no epilogue,
   no cluster merge and no output (wrong by design): with ``main``, what the end of a block costs; with
   ``noc`` against ``diag_stream_probe.py``, what of the copies is the loop's own.
@@ -122,16 +117,6 @@ def _no_fence(tree: Path) -> None:
           "    fence_proxy_async_shared();             // ... and is visible to wgmma\n", "")
 
 
-def _light_cluster(tree: Path) -> None:
-    mma = tree / CSRC / "paged_attention_mma.cuh"
-    wait = 'barrier.cluster.wait.acquire.aligned;\\n" ::: "memory");'
-    _edit(mma, "  cluster_sync();  // every partition's row_out and row_lse are written\n",
-          '  asm volatile("fence.release.sync_restrict::shared::cta.cluster;\\n'
-          'barrier.cluster.arrive.relaxed.aligned;\\n' + wait + "\n")
-    _edit(mma, "  cluster_sync();  // no block exits while another still reads its shared memory\n",
-          '  asm volatile("barrier.cluster.arrive.relaxed.aligned;\\n' + wait + "\n")
-
-
 def _no_epilogue(tree: Path) -> None:
     _edit(tree / CSRC / "paged_attention_wgmma.cuh", "the stage buffers become the cluster merge's\n"
           "  grid_launch_dependents();\n", "the stage buffers become the cluster merge's\n"
@@ -221,11 +206,11 @@ def _timers(tree: Path) -> None:
     first_tile = "    if (tile == 0) stamps[2] = diag_now();\n    diag_tiles = tile + 1;\n"
     mma = tree / CSRC / "paged_attention_mma.cuh"
     _before_next(mma, "RowOut row_out, OutRow out_row", ") {", ", unsigned long long* stamps = nullptr")
-    _after(mma, "  cluster_sync();  // every partition's row_out and row_lse are written\n",
+    _after(mma, "  cluster_sync_shared();  // every partition's row_out and row_lse are written\n",
            "  if (stamps) stamps[0] = diag_now();\n")
-    _edit(mma, "  cluster_sync();  // no block exits while another still reads its shared memory\n",
+    _edit(mma, "  cluster_sync_exit();  // no block exits while another still reads its shared memory\n",
           "  if (stamps) stamps[1] = diag_now();\n"
-          "  cluster_sync();  // no block exits while another still reads its shared memory\n"
+          "  cluster_sync_exit();  // no block exits while another still reads its shared memory\n"
           "  if (stamps) stamps[2] = diag_now();\n")
     _edit(mma, "  grid_wait_primary();\n  // Issued first;", start + "  // Issued first;")
     _after(mma, "    cp_async_wait_dynamic(num_stages - 1);\n    __syncthreads();\n", first_tile)
@@ -254,7 +239,7 @@ def _timers(tree: Path) -> None:
 
 EDITS = {"noc": _no_compute, "nold": _no_loads, "stages": _forced_stages, "partitions": _forced_partitions,
          "notiles": _no_tiles, "nomerge": _no_merge_kernel, "noepi": _no_epilogue,
-         "fencefirst": _fence_first, "nofence": _no_fence, "lightcluster": _light_cluster, "timers": _timers}
+         "fencefirst": _fence_first, "nofence": _no_fence, "timers": _timers}
 
 
 def main() -> None:

@@ -154,56 +154,81 @@ __device__ __forceinline__ void prefetch_prologue(const T* q_rows, int64_t q_str
   }
 }
 
+// merge_in_cluster's work: a thread takes ITEMS items at a time and issues all their loads (every
+// partition's log-sum-exp and 4 values, PARTS >= num_parts) before using any, so a round costs one round
+// trip to the other blocks' shared memory (on the H200 per-block timers put a round trip at 0.5-0.9 us of
+// C6's epilogue; one a item rather than two took C3 from 10.2 to 9.5 us).
+template <int HEAD, int PARTS, int ITEMS, typename RowOut, typename OutRow>
+__device__ __forceinline__ void merge_items(int num_parts, int rows_valid, const float* row_lse, RowOut row_out,
+                                            OutRow out_row) {
+  constexpr int kVecs = HEAD / 4;
+  const int items = rows_valid * kVecs;
+  const int stride = num_parts * blockDim.x;
+  for (int first = cluster_rank() * blockDim.x + threadIdx.x; first < items; first += ITEMS * stride) {
+    float lse[ITEMS][PARTS];
+    float4 x[ITEMS][PARTS];
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      const int i = first + k * stride;
+      if (i >= items) continue;
+      const int r = i / kVecs;
+      const uint32_t lse_addr = smem_addr(row_lse + r);
+      const uint32_t o_addr = smem_addr(row_out(r) + (i - r * kVecs) * 4);
+#pragma unroll
+      for (int c = 0; c < PARTS; ++c) {
+        if (c < num_parts) {
+          lse[k][c] = cluster_load(cluster_map(lse_addr, c));
+          x[k][c] = cluster_load4(cluster_map(o_addr, c));
+        }
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      const int i = first + k * stride;
+      if (i >= items) continue;
+      float mx = -INFINITY;
+#pragma unroll
+      for (int c = 0; c < PARTS; ++c) {
+        if (c < num_parts) mx = fmaxf(mx, lse[k][c]);
+      }
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+      float sum = 0.f;
+#pragma unroll
+      for (int c = 0; c < PARTS; ++c) {
+        if (c < num_parts) {
+          // Partitions past the end, and rows with nothing attended, weigh 0 (their results are zeros).
+          const float w = lse[k][c] == -INFINITY ? 0.f : fast_exp2(lse[k][c] - mx);
+          fma4(w, x[k][c], acc);
+          sum += w;
+        }
+      }
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      const int r = i / kVecs;
+      store4(out_row(r) + (i - r * kVecs) * 4, make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
+    }
+  }
+}
+
 // Split-K merge inside a thread-block cluster (Hopper), after each block (partition) has written its
 // normalised result, row_out(r) (HEAD floats), and its log-sum-exp, row_lse[r], to its own shared memory:
 // block `rank` finishes every num_partitions-th (row, 4 columns) item of the first rows_valid rows, reading
 // every partition's values from that partition's shared memory, and stores it to out_row(r). No float32
 // partials in global memory, no second kernel. Every thread of every block of the cluster must call it.
-// An item's loads (every partition's log-sum-exp and 4 values) are all issued before any is used: one
-// round trip to the other blocks' shared memory an item, not one for the maximum and another for the sum
-// (on the H200 per-block timers put the two at 1.6-2.0 us of C6's epilogue, 3 items a thread; one took C3
-// from 10.2 to 9.5 us).
 template <int HEAD, typename RowOut, typename OutRow>
 __device__ __forceinline__ void merge_in_cluster(int num_parts, int rows_valid, const float* row_lse,
                                                  RowOut row_out, OutRow out_row) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // clusters: Hopper and newer (the plan never asks before)
-  constexpr int kVecs = HEAD / 4;
-  cluster_sync();  // every partition's row_out and row_lse are written
-  const int rank = cluster_rank();
-  for (int i = rank * blockDim.x + threadIdx.x; i < rows_valid * kVecs; i += num_parts * blockDim.x) {
-    const int r = i / kVecs;
-    const int d = (i - r * kVecs) * 4;
-    const uint32_t lse_addr = smem_addr(row_lse + r);
-    const uint32_t o_addr = smem_addr(row_out(r) + d);
-    float lse[kMaxClusterSize];
-    float4 x[kMaxClusterSize];
-#pragma unroll
-    for (int c = 0; c < kMaxClusterSize; ++c) {
-      if (c < num_parts) {
-        lse[c] = cluster_load(cluster_map(lse_addr, c));
-        x[c] = cluster_load4(cluster_map(o_addr, c));
-      }
-    }
-    float mx = -INFINITY;
-#pragma unroll
-    for (int c = 0; c < kMaxClusterSize; ++c) {
-      if (c < num_parts) mx = fmaxf(mx, lse[c]);
-    }
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    float sum = 0.f;
-#pragma unroll
-    for (int c = 0; c < kMaxClusterSize; ++c) {
-      if (c < num_parts) {
-        // Partitions past the end, and rows with nothing attended, weigh 0 (their results are zeros).
-        const float w = lse[c] == -INFINITY ? 0.f : fast_exp2(lse[c] - mx);
-        fma4(w, x[c], acc);
-        sum += w;
-      }
-    }
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    store4(out_row(r) + d, make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
+  cluster_sync_shared();  // every partition's row_out and row_lse are written
+  // Eight (partition, item) load slots a thread, whatever the cluster's size: C6's two partitions merge a
+  // thread's 3 items in one round trip to the peers rather than three.
+  if (num_parts <= 2) {
+    merge_items<HEAD, 2, 4>(num_parts, rows_valid, row_lse, row_out, out_row);
+  } else if (num_parts <= 4) {
+    merge_items<HEAD, 4, 2>(num_parts, rows_valid, row_lse, row_out, out_row);
+  } else {
+    merge_items<HEAD, kMaxClusterSize, 1>(num_parts, rows_valid, row_lse, row_out, out_row);
   }
-  cluster_sync();  // no block exits while another still reads its shared memory
+  cluster_sync_exit();  // no block exits while another still reads its shared memory
 #endif
 }
 

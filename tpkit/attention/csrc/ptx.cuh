@@ -132,11 +132,27 @@ __device__ __forceinline__ void grid_wait_primary() {
 }
 
 // Thread-block clusters (sm_90+; never called on older devices, where these compile to a trap). Every
-// thread of every block in the cluster must reach cluster_sync; it orders their shared-memory writes before
-// the reads of any block after it.
-__device__ __forceinline__ void cluster_sync() {
+// thread of every block in the cluster must reach each barrier.
+//
+// cluster_sync_shared: the block's shared-memory writes before it are visible to every block's reads after
+// it. The fence covers shared memory alone: barrier.cluster.arrive.release is MEMBAR.ALL.GPU in SASS, which
+// also waits for the block's global stores to reach L2.
+__device__ __forceinline__ void cluster_sync_shared() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+  asm volatile(
+      "fence.release.sync_restrict::shared::cta.cluster;\n"
+      "barrier.cluster.arrive.relaxed.aligned;\n"
+      "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#else
+  __trap();
+#endif
+}
+
+// cluster_sync_exit: no block leaves (freeing its shared memory) while another may still read it; orders
+// nothing else, as a block's reads of its peers have returned their values before it arrives.
+__device__ __forceinline__ void cluster_sync_exit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
 #else
   __trap();
 #endif
