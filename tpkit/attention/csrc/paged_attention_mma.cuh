@@ -154,14 +154,16 @@ __device__ __forceinline__ void prefetch_prologue(const T* q_rows, int64_t q_str
   }
 }
 
-// merge_in_cluster's work: a thread takes ITEMS items at a time and issues all their loads (every
-// partition's log-sum-exp and 4 values, PARTS >= num_parts) before using any, so a round costs one round
-// trip to the other blocks' shared memory (on the H200 per-block timers put a round trip at 0.5-0.9 us of
-// C6's epilogue; one a item rather than two took C3 from 10.2 to 9.5 us).
-template <int HEAD, int PARTS, int ITEMS, typename RowOut, typename OutRow>
+// merge_in_cluster's work: a thread takes ITEMS items at a time, eight (partition, item) pairs whatever
+// the cluster's size (PARTS >= num_parts), and issues all their loads (every partition's log-sum-exp and
+// 4 values) before using any, so a round costs one round trip to the other blocks' shared memory: one an
+// item rather than two took C3 from 10.2 to 9.5 us on the H200, one for C6's three items a thread rather
+// than three took C6 from 37.8 to 37.2.
+template <int HEAD, int PARTS, typename RowOut, typename OutRow>
 __device__ __forceinline__ void merge_items(int num_parts, int rows_valid, const float* row_lse, RowOut row_out,
                                             OutRow out_row) {
   constexpr int kVecs = HEAD / 4;
+  constexpr int ITEMS = kMaxClusterSize / PARTS;
   const int items = rows_valid * kVecs;
   const int stride = num_parts * blockDim.x;
   for (int first = cluster_rank() * blockDim.x + threadIdx.x; first < items; first += ITEMS * stride) {
@@ -219,14 +221,12 @@ __device__ __forceinline__ void merge_in_cluster(int num_parts, int rows_valid, 
                                                  RowOut row_out, OutRow out_row) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // clusters: Hopper and newer (the plan never asks before)
   cluster_sync_shared();  // every partition's row_out and row_lse are written
-  // Eight (partition, item) load slots a thread, whatever the cluster's size: C6's two partitions merge a
-  // thread's 3 items in one round trip to the peers rather than three.
   if (num_parts <= 2) {
-    merge_items<HEAD, 2, 4>(num_parts, rows_valid, row_lse, row_out, out_row);
+    merge_items<HEAD, 2>(num_parts, rows_valid, row_lse, row_out, out_row);
   } else if (num_parts <= 4) {
-    merge_items<HEAD, 4, 2>(num_parts, rows_valid, row_lse, row_out, out_row);
+    merge_items<HEAD, 4>(num_parts, rows_valid, row_lse, row_out, out_row);
   } else {
-    merge_items<HEAD, kMaxClusterSize, 1>(num_parts, rows_valid, row_lse, row_out, out_row);
+    merge_items<HEAD, kMaxClusterSize>(num_parts, rows_valid, row_lse, row_out, out_row);
   }
   cluster_sync_exit();  // no block exits while another still reads its shared memory
 #endif
