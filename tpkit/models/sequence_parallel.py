@@ -36,7 +36,6 @@ def exit_sequence_parallel(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     return gather_from_sequence_parallel_region(x, tp, dim=1, partial_grad=False)
 
 
-
 def mark_norms(model: nn.Module, norm_type: type[nn.Module]) -> None:
     """Every ``norm_type`` module of ``model`` acts on a rank's tokens (all of a reference model's norms sit
     between a row-parallel layer, or the embeddings, and the next column-parallel one):
