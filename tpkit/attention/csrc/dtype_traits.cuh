@@ -54,6 +54,21 @@ __device__ __forceinline__ void store4<float>(float* dst, float4 v) {
   *reinterpret_cast<float4*>(dst) = v;
 }
 
+// 16 bytes of partial results as floats: four float32s, or eight fp16/bf16s.
+template <typename P>
+__device__ __forceinline__ void unpack16(uint4 raw, float (&v)[16 / sizeof(P)]) {
+  if constexpr (sizeof(P) == 4) {
+    v[0] = __uint_as_float(raw.x);
+    v[1] = __uint_as_float(raw.y);
+    v[2] = __uint_as_float(raw.z);
+    v[3] = __uint_as_float(raw.w);
+  } else {
+    const P* h = reinterpret_cast<const P*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = DTypeTraits<P>::to_float(h[i]);
+  }
+}
+
 // acc += w * x, four columns: a partition's weighted share of a merged row.
 __device__ __forceinline__ void fma4(float w, float4 x, float4& acc) {
   acc.x = fmaf(w, x.x, acc.x);

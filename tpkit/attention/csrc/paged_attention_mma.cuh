@@ -156,31 +156,32 @@ __device__ __forceinline__ void prefetch_prologue(const T* q_rows, int64_t q_str
 
 // merge_in_cluster's work: a thread takes ITEMS items at a time, eight (partition, item) pairs whatever
 // the cluster's size (PARTS >= num_parts), and issues all their loads (every partition's log-sum-exp and
-// 4 values) before using any, so a round costs one round trip to the other blocks' shared memory: one an
-// item rather than two took C3 from 10.2 to 9.5 us on the H200, one for C6's three items a thread rather
-// than three took C6 from 37.8 to 37.2.
-template <int HEAD, int PARTS, typename RowOut, typename OutRow>
+// 16 bytes of values) before using any, so a round costs one round trip to the other blocks' shared
+// memory: one an item rather than two took C3 from 10.2 to 9.5 us on the H200, one for C6's three items
+// a thread rather than three took C6 from 37.8 to 37.2.
+template <int HEAD, typename P, int PARTS, typename RowOut, typename OutRow>
 __device__ __forceinline__ void merge_items(int num_parts, int rows_valid, const float* row_lse, RowOut row_out,
                                             OutRow out_row) {
-  constexpr int kVecs = HEAD / 4;
+  constexpr int kPerLoad = 16 / static_cast<int>(sizeof(P));  // columns an item
+  constexpr int kVecs = HEAD / kPerLoad;
   constexpr int ITEMS = kMaxClusterSize / PARTS;
   const int items = rows_valid * kVecs;
   const int stride = num_parts * blockDim.x;
   for (int first = cluster_rank() * blockDim.x + threadIdx.x; first < items; first += ITEMS * stride) {
     float lse[ITEMS][PARTS];
-    float4 x[ITEMS][PARTS];
+    uint4 x[ITEMS][PARTS];
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
       const int i = first + k * stride;
       if (i >= items) continue;
       const int r = i / kVecs;
       const uint32_t lse_addr = smem_addr(row_lse + r);
-      const uint32_t o_addr = smem_addr(row_out(r) + (i - r * kVecs) * 4);
+      const uint32_t o_addr = smem_addr(row_out(r) + (i - r * kVecs) * kPerLoad);
 #pragma unroll
       for (int c = 0; c < PARTS; ++c) {
         if (c < num_parts) {
           lse[k][c] = cluster_load(cluster_map(lse_addr, c));
-          x[k][c] = cluster_load4(cluster_map(o_addr, c));
+          x[k][c] = cluster_load16(cluster_map(o_addr, c));
         }
       }
     }
@@ -193,40 +194,48 @@ __device__ __forceinline__ void merge_items(int num_parts, int rows_valid, const
       for (int c = 0; c < PARTS; ++c) {
         if (c < num_parts) mx = fmaxf(mx, lse[k][c]);
       }
-      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+      float acc[kPerLoad] = {};
       float sum = 0.f;
 #pragma unroll
       for (int c = 0; c < PARTS; ++c) {
         if (c < num_parts) {
           // Partitions past the end, and rows with nothing attended, weigh 0 (their results are zeros).
           const float w = lse[k][c] == -INFINITY ? 0.f : fast_exp2(lse[k][c] - mx);
-          fma4(w, x[k][c], acc);
+          float v[kPerLoad];
+          unpack16<P>(x[k][c], v);
+#pragma unroll
+          for (int j = 0; j < kPerLoad; ++j) acc[j] = fmaf(w, v[j], acc[j]);
           sum += w;
         }
       }
       const float inv = sum > 0.f ? 1.f / sum : 0.f;
       const int r = i / kVecs;
-      store4(out_row(r) + (i - r * kVecs) * 4, make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
+      auto* out = out_row(r) + (i - r * kVecs) * kPerLoad;
+#pragma unroll
+      for (int j = 0; j < kPerLoad; j += 4) {
+        store4(out + j, make_float4(acc[j] * inv, acc[j + 1] * inv, acc[j + 2] * inv, acc[j + 3] * inv));
+      }
     }
   }
 }
 
 // Split-K merge inside a thread-block cluster (Hopper), after each block (partition) has written its
-// normalised result, row_out(r) (HEAD floats), and its log-sum-exp, row_lse[r], to its own shared memory:
-// block `rank` finishes every num_partitions-th (row, 4 columns) item of the first rows_valid rows, reading
-// every partition's values from that partition's shared memory, and stores it to out_row(r). No float32
-// partials in global memory, no second kernel. Every thread of every block of the cluster must call it.
-template <int HEAD, typename RowOut, typename OutRow>
+// normalised result, row_out(r) (HEAD values of type P: float, or the output's 16-bit type), and its
+// log-sum-exp, row_lse[r], to its own shared memory: block `rank` finishes every num_partitions-th (row,
+// 16 bytes of columns) item of the first rows_valid rows, reading every partition's values from that
+// partition's shared memory, and stores it to out_row(r). No float32 partials in global memory, no second
+// kernel. Every thread of every block of the cluster must call it.
+template <int HEAD, typename P, typename RowOut, typename OutRow>
 __device__ __forceinline__ void merge_in_cluster(int num_parts, int rows_valid, const float* row_lse,
                                                  RowOut row_out, OutRow out_row) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // clusters: Hopper and newer (the plan never asks before)
   cluster_sync_shared();  // every partition's row_out and row_lse are written
   if (num_parts <= 2) {
-    merge_items<HEAD, 2>(num_parts, rows_valid, row_lse, row_out, out_row);
+    merge_items<HEAD, P, 2>(num_parts, rows_valid, row_lse, row_out, out_row);
   } else if (num_parts <= 4) {
-    merge_items<HEAD, 4>(num_parts, rows_valid, row_lse, row_out, out_row);
+    merge_items<HEAD, P, 4>(num_parts, rows_valid, row_lse, row_out, out_row);
   } else {
-    merge_items<HEAD, kMaxClusterSize>(num_parts, rows_valid, row_lse, row_out, out_row);
+    merge_items<HEAD, P, kMaxClusterSize>(num_parts, rows_valid, row_lse, row_out, out_row);
   }
   cluster_sync_exit();  // no block exits while another still reads its shared memory
 #endif
@@ -594,7 +603,7 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
       if (d == 0) p.tmp_lse[row_index] = sum > 0.f ? row_m[r] + log2f(sum) : -INFINITY;
     }
   }
-  if (cluster) merge_in_cluster<HEAD>(p.num_partitions, rows_valid, row_lse, row_out, out_row);
+  if (cluster) merge_in_cluster<HEAD, float>(p.num_partitions, rows_valid, row_lse, row_out, out_row);
 }
 
 }  // namespace tpkit

@@ -29,7 +29,9 @@ constexpr int kWgmmaHead = 128;
 constexpr int kWgmmaRows = 64;      // query rows a block's products take (the group, padded)
 constexpr int kWgmmaThreads = 128;  // one warpgroup
 constexpr int kPlaneBytes = 64 * 128;  // 64 rows x 128 bytes: 64 columns of a 64-row operand
-constexpr int kPartialStride = kWgmmaHead + 4;  // floats a row of the cluster merge's partial results
+// Elements (of the output's type) a row of the cluster merge's partial results: 68 words, so a warp's
+// stores (8 rows x 4 column pairs) hit 32 different banks.
+constexpr int kPartialStride = kWgmmaHead + 8;
 constexpr int kStateStride = 64 + 4;  // floats a thread's O, m and l take when two warpgroups meet
 // Q, then each warpgroup's stages of K and V (2 planes each); the base rounded up to 1024 bytes at run time.
 template <typename T>
@@ -55,7 +57,7 @@ __global__ void __launch_bounds__(kWgmmaThreads * WARPGROUPS, WARPGROUPS == 1 ? 
   constexpr int C = kWgmmaHead / 8;                               // 16-byte chunks a row
   constexpr int kLoadIters = kTileTokens * C / kWgmmaThreads;     // copies a thread issues per tile and operand
   constexpr uint32_t kStageBytes = 2 * 2 * kPlaneBytes;           // K, then V
-  static_assert(kWgmmaRows * kPartialStride * 4 <= 2 * kStageBytes, "the cluster merge's partials fit 2 stages");
+  static_assert(kWgmmaRows * kPartialStride * 2 <= 2 * kStageBytes, "the cluster merge's partials fit 2 stages");
   static_assert(kWgmmaThreads * kStateStride * 4 <= 2 * kStageBytes, "a warpgroup's state fits its 2 stages");
   static_assert(WARPGROUPS == 1 || WARPGROUPS == 2, "one or two warpgroups");
 
@@ -306,7 +308,8 @@ __global__ void __launch_bounds__(kWgmmaThreads * WARPGROUPS, WARPGROUPS == 1 ? 
   // Epilogue, from registers: each row's output (or, split, its normalised partial and log-sum-exp: in
   // this block's shared memory for the cluster merge, else in global memory for the merge kernel).
   __shared__ float row_lse[kWgmmaRows];
-  float* partial = reinterpret_cast<float*>(smem_raw + (kv_s0 - raw));  // [kWgmmaRows][kPartialStride]
+  // In the output's type: the peers read half the bytes of float32 partials, for one more rounding.
+  T* partial = reinterpret_cast<T*>(smem_raw + (kv_s0 - raw));  // [kWgmmaRows][kPartialStride]
   auto out_row = [&](int r) {
     return static_cast<T*>(p.out) + static_cast<int64_t>(seq) * p.o_stride_seq +
            static_cast<int64_t>(head0 + r) * p.o_stride_head;
@@ -336,8 +339,8 @@ __global__ void __launch_bounds__(kWgmmaThreads * WARPGROUPS, WARPGROUPS == 1 ? 
 #pragma unroll
       for (int n = 0; n < 16; ++n) {
         const int col = n * 8 + ((lane & 3) << 1);
-        *reinterpret_cast<float2*>(partial + r * kPartialStride + col) =
-            make_float2(o[4 * n + 2 * half] * inv, o[4 * n + 2 * half + 1] * inv);
+        *reinterpret_cast<uint32_t*>(partial + r * kPartialStride + col) =
+            Traits::pack2(o[4 * n + 2 * half] * inv, o[4 * n + 2 * half + 1] * inv);
       }
       if ((lane & 3) == 0) row_lse[r] = lse;
     } else {
@@ -352,8 +355,8 @@ __global__ void __launch_bounds__(kWgmmaThreads * WARPGROUPS, WARPGROUPS == 1 ? 
     }
   }
   if (cluster) {
-    merge_in_cluster<kWgmmaHead>(p.num_partitions, rows_valid, row_lse,
-                                 [&](int r) { return partial + r * kPartialStride; }, out_row);
+    merge_in_cluster<kWgmmaHead, T>(p.num_partitions, rows_valid, row_lse,
+                                    [&](int r) { return partial + r * kPartialStride; }, out_row);
   }
 #else
   __trap();

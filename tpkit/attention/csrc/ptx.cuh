@@ -189,11 +189,11 @@ __device__ __forceinline__ float cluster_load(uint32_t addr) {
   return v;
 }
 
-__device__ __forceinline__ float4 cluster_load4(uint32_t addr) {
-  float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+__device__ __forceinline__ uint4 cluster_load16(uint32_t addr) {
+  uint4 v = make_uint4(0u, 0u, 0u, 0u);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+  asm volatile("ld.shared::cluster.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "r"(addr)
                : "memory");
 #else
