@@ -41,6 +41,7 @@ from tpkit.parallel_layers import destroy_tensor_parallel, init_tensor_parallel
 
 # NVLink multicast stays off on the lent multi-GPU machines (it can take shared GPUs out of service).
 _NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+_EXIT_TIMEOUT_S = 120
 
 SHAPES = {
     # Llama-3-8B.
@@ -123,6 +124,9 @@ def _measure(args: argparse.Namespace, device: torch.device) -> list[dict]:
             prefill_tok_s=batch * args.prompt_len / t_prefill,
             allreduce_bytes=message * torch.finfo(dtype).bits // 8, allreduce_busbw_GBps=busbw,
         ))
+    # The graphs, which captured the group's all-reduces, go before the group (pytorch#115388 reports
+    # teardowns waiting in ncclCommDestroy forever while such a graph lives).
+    model.clear_kv_cache()
     return rows
 
 
@@ -182,7 +186,16 @@ def spawn_ranks(tp_size: int, measure, args: argparse.Namespace):
     context = mp.spawn(_rank_main, args=(tp_size, _free_port(), measure, args, results), nprocs=tp_size,
                        join=False)
     result = results.get(timeout=args.timeout)
-    context.join(timeout=args.timeout)
+    # The result is in: ranks that do not leave (a teardown stuck in NCCL) cost the run nothing more.
+    deadline = time.monotonic() + _EXIT_TIMEOUT_S
+    while not context.join(timeout=max(0.0, deadline - time.monotonic())):  # returns as each rank exits
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            print(f"tp_size {tp_size}: ranks still running {_EXIT_TIMEOUT_S} s after their result, killed",
+                  file=sys.stderr)
+            break
     return result
 
 

@@ -17,8 +17,11 @@ date -u
 
 stage build 150 python3 -c "import torch; from tpkit.attention import _cuda
 _cuda.build(torch.cuda.get_device_capability())"
-stage tests 300 torchrun --nproc-per-node "$NPROC" -m pytest tests -q -p no:cacheprovider --tb=short -rfE \
-  -W ignore::UserWarning --ignore tests/test_paged_attention_cuda.py
+# The suite under torchrun, then the test that starts two NCCL ranks itself (skipped under torchrun):
+# CUDA-graph decode at tp_size 2, then the teardown.
+PYTEST="-m pytest -q -p no:cacheprovider --tb=short -rfE -W ignore::UserWarning"
+stage tests 400 bash -c "torchrun --nproc-per-node $NPROC $PYTEST tests --ignore tests/test_paged_attention_cuda.py; \
+  status=\$?; python3 $PYTEST tests/test_generate.py -k two_ranks || status=1; exit \$status"
 # The examples over every GPU with NCCL: a custom model's logits and tokens, a training run beside transformers
 # (and again with sequence parallelism: NCCL's reduce-scatter).
 stage examples 180 bash -c "torchrun --nproc-per-node $NPROC examples/custom_model.py && \
