@@ -1,0 +1,130 @@
+"""All-reduces of decode-sized messages inside a CUDA graph: NCCL against PyTorch's symmetric-memory kernels.
+
+    torchrun --nproc-per-node 2 benchmarks/bench_allreduce.py [--batch-sizes 1,8,32] [--hidden 4096]
+
+A Llama decode step at tp_size > 1 makes two all-reduces a layer plus one for the embedding (65 for the
+8B shapes), each of ``[batch, hidden]`` bf16, with the step replayed from a CUDA graph. This captures 65
+such all-reduces, each on its own buffer as a model's layers have, into one graph and reports the median
+replay time per all-reduce for: ``dist.all_reduce`` (NCCL), and ``torch.ops.symm_mem``'s
+``one_shot_all_reduce`` (every rank reads every peer's buffer over NVLink and sums),
+``one_shot_all_reduce_copy`` (the same, the local input copied into the symmetric buffer by the kernel) and
+``two_shot_all_reduce_`` (reduce-scatter, then all-gather, in place). Each symmetric-memory result is
+checked against NCCL's on the same inputs. NVLink multicast stays off (``multimem`` kernels are not timed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed._symmetric_memory as symm_mem
+
+ALL_REDUCES_PER_STEP = 65  # Llama-3-8B: 2 a layer x 32 layers, + the vocab-parallel embedding's
+_NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def _graph_us_per_call(fn: Callable[[], object], calls: int, replays: int = 25) -> float:
+    """Median time of one of ``fn``'s ``calls`` collectives, ``fn`` captured in a CUDA graph and replayed."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the graph: communicators, workspaces
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    dist.barrier()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def _measure(batch: int, hidden: int, device: torch.device,
+             group_name: str) -> list[tuple[str, float, float]]:
+    """(variant, us per all-reduce, max abs. difference from NCCL's result) for ``[batch, hidden]`` bf16."""
+    ops = torch.ops.symm_mem
+    generator = torch.Generator(device=device).manual_seed(dist.get_rank())
+    # Small values: the graph's replays sum into the same buffers, doubling them each time.
+    inputs = [torch.randn(batch, hidden, dtype=torch.bfloat16, device=device, generator=generator) * 0.01
+              for _ in range(ALL_REDUCES_PER_STEP)]  # each [batch, hidden]
+    expected = inputs[0].clone()
+    dist.all_reduce(expected)
+    nccl_buffers = [x.clone() for x in inputs]
+    rows = [("nccl all_reduce", _graph_us_per_call(lambda: [dist.all_reduce(b) for b in nccl_buffers],
+                                                   ALL_REDUCES_PER_STEP), 0.0)]
+    symm_buffers = []
+    for x in inputs:
+        buffer = symm_mem.empty(batch, hidden, dtype=torch.bfloat16, device=device)
+        symm_mem.rendezvous(buffer, group_name)
+        buffer.copy_(x)
+        symm_buffers.append(buffer)
+
+    def error(result: torch.Tensor) -> float:
+        return (result.float() - expected.float()).abs().max().item()
+
+    one_shot_error = error(ops.one_shot_all_reduce(symm_buffers[0], "sum", group_name))
+    rows.append(("symm_mem one_shot_all_reduce", _graph_us_per_call(
+        lambda: [ops.one_shot_all_reduce(b, "sum", group_name) for b in symm_buffers], ALL_REDUCES_PER_STEP),
+        one_shot_error))
+    copy_error = error(ops.one_shot_all_reduce_copy(symm_buffers[1], inputs[0], "sum", group_name))
+    pairs = list(zip(symm_buffers, inputs, strict=True))
+    rows.append(("symm_mem one_shot_all_reduce_copy", _graph_us_per_call(
+        lambda: [ops.one_shot_all_reduce_copy(b, x, "sum", group_name) for b, x in pairs],
+        ALL_REDUCES_PER_STEP), copy_error))
+    two_shot = symm_buffers[2]
+    two_shot.copy_(inputs[0])
+    two_shot_error = error(ops.two_shot_all_reduce_(two_shot, "sum", group_name))
+    rows.append(("symm_mem two_shot_all_reduce_", _graph_us_per_call(
+        lambda: [ops.two_shot_all_reduce_(b, "sum", group_name) for b in symm_buffers], ALL_REDUCES_PER_STEP),
+        two_shot_error))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
+    parser.add_argument("--hidden", type=int, default=4096)
+    args = parser.parse_args()
+    if "LOCAL_RANK" not in os.environ or not torch.cuda.is_available():
+        parser.error("run under torchrun with a GPU a rank: torchrun --nproc-per-node 2 ...")
+    os.environ.update(_NCCL_ENV)
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    group_name = dist.group.WORLD.group_name
+    try:
+        rows = [(batch, *row) for batch in args.batch_sizes for row in _measure(batch, args.hidden, device,
+                                                                                 group_name)]
+        if dist.get_rank() == 0:
+            print(f"{dist.get_world_size()} ranks, torch {torch.__version__}, "
+                  f"NCCL {torch.cuda.nccl.version()}, {torch.cuda.get_device_name(device)}; "
+                  f"{ALL_REDUCES_PER_STEP} all-reduces a graph")
+            print(f"{'batch':>5} {'KB':>5}  {'variant':<36} {'us each':>8} {'vs nccl':>8} "
+                  f"{'max abs err':>11}")
+            nccl = {batch: us for batch, name, us, _ in rows if name == "nccl all_reduce"}
+            for batch, name, us, err in rows:
+                kb = batch * args.hidden * 2 // 1024
+                print(f"{batch:>5} {kb:>5}  {name:<36} {us:>8.2f} {us / nccl[batch]:>8.2f} {err:>11.1e}")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
