@@ -16,42 +16,25 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
 
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_paged_attention import _graph_time_us  # noqa: E402
+
 ALL_REDUCES_PER_STEP = 65  # Llama-3-8B: 2 a layer x 32 layers, + the vocab-parallel embedding's
 _NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def _graph_us_per_call(fn: Callable[[], object], calls: int, replays: int = 25) -> float:
-    """Median time of one of ``fn``'s ``calls`` collectives, ``fn`` captured in a CUDA graph and replayed."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside the graph: communicators, workspaces
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    dist.barrier()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
+def _us_each(calls: list[Callable[[], object]]) -> float:
+    """Median time of one of ``calls``'s collectives, all of them captured in one CUDA graph."""
+    dist.barrier()  # the ranks' replays start together
+    return _graph_time_us(calls, replays=25)
 
 
 def _measure(batch: int, hidden: int, device: torch.device,
@@ -65,8 +48,7 @@ def _measure(batch: int, hidden: int, device: torch.device,
     expected = inputs[0].clone()
     dist.all_reduce(expected)
     nccl_buffers = [x.clone() for x in inputs]
-    rows = [("nccl all_reduce", _graph_us_per_call(lambda: [dist.all_reduce(b) for b in nccl_buffers],
-                                                   ALL_REDUCES_PER_STEP), 0.0)]
+    rows = [("nccl all_reduce", _us_each([lambda b=b: dist.all_reduce(b) for b in nccl_buffers]), 0.0)]
     symm_buffers = []
     for x in inputs:
         buffer = symm_mem.empty(batch, hidden, dtype=torch.bfloat16, device=device)
@@ -78,20 +60,17 @@ def _measure(batch: int, hidden: int, device: torch.device,
         return (result.float() - expected.float()).abs().max().item()
 
     one_shot_error = error(ops.one_shot_all_reduce(symm_buffers[0], "sum", group_name))
-    rows.append(("symm_mem one_shot_all_reduce", _graph_us_per_call(
-        lambda: [ops.one_shot_all_reduce(b, "sum", group_name) for b in symm_buffers], ALL_REDUCES_PER_STEP),
-        one_shot_error))
+    rows.append(("symm_mem one_shot_all_reduce", _us_each(
+        [lambda b=b: ops.one_shot_all_reduce(b, "sum", group_name) for b in symm_buffers]), one_shot_error))
     copy_error = error(ops.one_shot_all_reduce_copy(symm_buffers[1], inputs[0], "sum", group_name))
-    pairs = list(zip(symm_buffers, inputs, strict=True))
-    rows.append(("symm_mem one_shot_all_reduce_copy", _graph_us_per_call(
-        lambda: [ops.one_shot_all_reduce_copy(b, x, "sum", group_name) for b, x in pairs],
-        ALL_REDUCES_PER_STEP), copy_error))
+    rows.append(("symm_mem one_shot_all_reduce_copy", _us_each(
+        [lambda b=b, x=x: ops.one_shot_all_reduce_copy(b, x, "sum", group_name)
+         for b, x in zip(symm_buffers, inputs, strict=True)]), copy_error))
     two_shot = symm_buffers[2]
     two_shot.copy_(inputs[0])
     two_shot_error = error(ops.two_shot_all_reduce_(two_shot, "sum", group_name))
-    rows.append(("symm_mem two_shot_all_reduce_", _graph_us_per_call(
-        lambda: [ops.two_shot_all_reduce_(b, "sum", group_name) for b in symm_buffers], ALL_REDUCES_PER_STEP),
-        two_shot_error))
+    rows.append(("symm_mem two_shot_all_reduce_", _us_each(
+        [lambda b=b: ops.two_shot_all_reduce_(b, "sum", group_name) for b in symm_buffers]), two_shot_error))
     return rows
 
 
