@@ -26,9 +26,9 @@ import torch.distributed._symmetric_memory as symm_mem
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_paged_attention import _graph_time_us  # noqa: E402
+from bench_tp_scaling import _NCCL_ENV  # noqa: E402
 
 ALL_REDUCES_PER_STEP = 65  # Llama-3-8B: 2 a layer x 32 layers, + the vocab-parallel embedding's
-_NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def _us_each(calls: list[Callable[[], object]]) -> float:
