@@ -20,7 +20,7 @@ structure to the one before:
   the 128-byte-swizzled planes;
 - I: H with the kernel's proxy fence (fence.proxy.async.shared::cta) after each tile's wait;
 - J: I ending as the kernel does: the warpgroups meet through shared memory, the first writes its rows'
-  partial results, and the kernel's own cluster merge (merge_in_cluster) writes a bf16 output;
+  partial results (bf16, as the kernel's), and its own cluster merge (merge_in_cluster) writes a bf16 output;
 - K: H with 1600 clocks of busy work a tile after the barrier (about a tile's arithmetic in the kernel);
 - L: K with the proxy fence where the kernel has it (after the next tile's copies are issued);
 - M: K with the fence first: wait for the tile, fence and barrier, then issue the next tile's copies.
@@ -172,7 +172,7 @@ __global__ void __launch_bounds__(256, 1) probe(const uint4* __restrict__ k, con
   float acc = reinterpret_cast<const float*>(smem)[tid];
   if (EPILOGUE) {
     // The warpgroup kernel's end: the second warpgroup leaves 68 floats a thread in its stages for the
-    // first; the first writes its 48 rows' partial results ([64][132] floats) and log-sum-exps; then the
+    // first; the first writes its 48 rows' partial results ([64][136] bf16) and log-sum-exps; then the
     // kernel's own cluster merge writes the output.
     float* state = reinterpret_cast<float*>(smem + 2 * 32768) + t * 68;
     if (wg == 1) {
@@ -182,7 +182,7 @@ __global__ void __launch_bounds__(256, 1) probe(const uint4* __restrict__ k, con
       }
     }
     __syncthreads();
-    float* partial = reinterpret_cast<float*>(smem);
+    __nv_bfloat16* partial = reinterpret_cast<__nv_bfloat16*>(smem);
     if (wg == 0) {
 #pragma unroll
       for (int i = 0; i < 17; ++i) {
@@ -195,22 +195,23 @@ __global__ void __launch_bounds__(256, 1) probe(const uint4* __restrict__ k, con
         if (r >= 48) continue;
 #pragma unroll
         for (int n = 0; n < 16; ++n) {
-          *reinterpret_cast<float2*>(partial + r * 132 + n * 8 + ((lane & 3) << 1)) = make_float2(acc, acc);
+          *reinterpret_cast<uint32_t*>(partial + r * 136 + n * 8 + ((lane & 3) << 1)) =
+              DTypeTraits<__nv_bfloat16>::pack2(acc, acc);
         }
         if ((lane & 3) == 0) row_lse[r] = acc;
       }
     }
-    merge_in_cluster<128>(2, 48, row_lse, [&](int r) { return partial + r * 132; },
+    merge_in_cluster<128, __nv_bfloat16>(2, 48, row_lse, [&](int r) { return partial + r * 136; },
                           [&](int r) { return attention_out + (static_cast<int64_t>(seq) * 48 + r) * 128; });
   } else if (CLUSTER) {
-    cluster_sync();
+    cluster_sync_shared();
     const uint32_t peer = cluster_map(base, cluster_rank() ^ 1);
 #pragma unroll
     for (int i = 0; i < 6; ++i) {
-      const float4 x = cluster_load4(peer + (tid + i * 256) * 16);
-      acc += x.x + x.y + x.z + x.w;
+      const uint4 x = cluster_load16(peer + (tid + i * 256) * 16);
+      acc += __uint_as_float(x.x) + __uint_as_float(x.y) + __uint_as_float(x.z) + __uint_as_float(x.w);
     }
-    cluster_sync();
+    cluster_sync_exit();
   }
   out[blockIdx.x * 256 + tid] = acc;
 }

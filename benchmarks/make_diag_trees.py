@@ -216,19 +216,19 @@ def _timers(tree: Path) -> None:
     _after(mma, "    cp_async_wait_dynamic(num_stages - 1);\n    __syncthreads();\n", first_tile)
     _after(mma, "// trailing (empty) groups; the stage buffers become the epilogue's\n",
            "  stamps[3] = stamps[4] = diag_now();\n")
-    _before_next(mma, "  if (cluster) merge_in_cluster<HEAD>(", ");", ", stamps + 6")
+    _before_next(mma, "  if (cluster) merge_in_cluster<HEAD, float>(", ");", ", stamps + 6")
     _after(mma, ", stamps + 6);\n", "  if (tid == 0) diag_write(p, 0, 1, stamps, diag_tiles);\n")
-    _edit(mma, "  if (cluster) merge_in_cluster<HEAD>(",
-          "  stamps[5] = diag_now();\n  if (cluster) merge_in_cluster<HEAD>(")
+    _edit(mma, "  if (cluster) merge_in_cluster<HEAD, float>(",
+          "  stamps[5] = diag_now();\n  if (cluster) merge_in_cluster<HEAD, float>(")
     wgmma = tree / CSRC / "paged_attention_wgmma.cuh"
     _edit(wgmma, "  grid_wait_primary();\n  const int seq_len_read", start + "  const int seq_len_read")
     _after(wgmma, "// ... and is visible to wgmma\n    warpgroup_sync();\n", first_tile)
     _after(wgmma, "the stage buffers become the cluster merge's\n", "  stamps[3] = diag_now();\n")
     _edit(wgmma, "  // Epilogue, from registers:",
           "  stamps[4] = diag_now();\n  // Epilogue, from registers:")
-    _edit(wgmma, "  if (cluster) {\n    merge_in_cluster<kWgmmaHead>",
-          "  stamps[5] = diag_now();\n  if (cluster) {\n    merge_in_cluster<kWgmmaHead>")
-    _before_next(wgmma, "    merge_in_cluster<kWgmmaHead>(", ");", ", stamps + 6")
+    _edit(wgmma, "  if (cluster) {\n    merge_in_cluster<kWgmmaHead, T>",
+          "  stamps[5] = diag_now();\n  if (cluster) {\n    merge_in_cluster<kWgmmaHead, T>")
+    _before_next(wgmma, "    merge_in_cluster<kWgmmaHead, T>(", ");", ", stamps + 6")
     _after(wgmma, ", stamps + 6);\n  }\n",
            "  if (tid == 0) diag_write(p, wg, WARPGROUPS, stamps, diag_tiles);\n")
     merge = tree / CSRC / "paged_attention_merge.cuh"
