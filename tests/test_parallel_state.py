@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import pathlib
 import subprocess
 import sys
+import weakref
 
 import multirank
 import pytest
@@ -88,6 +90,46 @@ def test_torchrun_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         assert (tp.rank, tp.size, tp.backend) == (0, 1, backend)
     finally:
         destroy_tensor_parallel()
+    assert not dist.is_initialized()
+
+
+@needs_plain_process
+def test_destroy_collects_cycles_before_the_group_goes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dropped model's CUDA graphs can live on in a reference cycle (model and graph hold each other), and a
+    live graph that captured NCCL collectives keeps the group's destruction from returning: destroy collects
+    such garbage before it destroys the group."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(multirank.free_port()))
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(name, value)
+
+    class Node:
+        partner: Node
+
+    seen_alive: list[bool] = []
+    destroy = dist.destroy_process_group
+
+    def recording_destroy(group: dist.ProcessGroup | None = None) -> None:
+        seen_alive.append(cycle() is not None)
+        destroy(group)
+
+    monkeypatch.setattr(dist, "destroy_process_group", recording_destroy)
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # the cycle must not go by an automatic collection
+    try:
+        init_tensor_parallel(backend="gloo", timeout=datetime.timedelta(seconds=20))
+        first, second = Node(), Node()
+        first.partner, second.partner = second, first
+        cycle = weakref.ref(first)
+        del first, second
+        assert cycle() is not None
+        destroy_tensor_parallel()
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+        if dist.is_initialized():
+            destroy(None)
+    assert seen_alive == [False]
     assert not dist.is_initialized()
 
 

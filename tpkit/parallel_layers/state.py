@@ -22,6 +22,7 @@ Call :func:`destroy_tensor_parallel` when done (before the process exits), as wi
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import weakref
 from collections.abc import Callable
@@ -230,7 +231,8 @@ def init_tensor_parallel(
 
 def destroy_tensor_parallel() -> None:
     """Forgets the tensor-parallel group, and the generator state seeded for it (``seed_tensor_parallel``),
-    and destroys the process groups that init created (only those).
+    and destroys the process groups that init created (only those), after collecting garbage: a CUDA graph
+    that captured their NCCL collectives must be gone first, so drop models (or ``clear_kv_cache()``) before.
 
     A no-op when tensor parallelism is not initialised.
     """
@@ -240,11 +242,13 @@ def destroy_tensor_parallel() -> None:
     _forget_tensor_parallel_rng()
     created_group, created_default = _created_group, _created_default_group
     _tp_group, _created_group, _created_default_group = None, None, False
-    if created_default:
-        if _distributed_ready():
-            dist.destroy_process_group()
-    elif created_group is not None and _distributed_ready():
-        dist.destroy_process_group(created_group)
+    if (created_default or created_group is not None) and _distributed_ready():
+        # A live CUDA graph that captured the group's NCCL collectives keeps its destruction from returning
+        # (torch 2.11, NCCL 2.28), and a dropped model's decode graphs can outlive the model in a reference
+        # cycle (the model holds its graphs, each graph's step the model): collect them first.
+        gc.collect()
+        # The default group's destruction takes the groups made from it along.
+        dist.destroy_process_group(None if created_default else created_group)
 
 
 def get_tp_group() -> TPGroup:
