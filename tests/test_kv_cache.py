@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tpkit.attention import AttentionMetadata, PagedKVCache
+from tpkit.attention.kv_cache import _copy_packed
 
 
 def make_cache(num_blocks=10, block_size=4, **overrides):
@@ -119,6 +120,36 @@ def test_out_of_blocks_changes_nothing():
     assert cache.seq_len(0) == cache.seq_len(1) == 8
     # Cross-attention steps need no blocks.
     assert cache.decode_metadata([0, 1], append=False).seq_lens.tolist() == [8, 8]
+
+
+def test_block_table_width_pads_and_checks_before_allocating():
+    cache = make_cache(block_size=4)
+    cache.prefill_metadata([0, 1], [4, 2])  # sequence 0's block is full: its next token needs a second
+    free = cache.num_free_blocks
+    for width in (1, 0, True, 2.0):
+        with pytest.raises(ValueError, match=rf"block_table_width: expected None or an int >= 2 \(the most "
+                                             rf"blocks a sequence holds after this step\), got {width!r}"):
+            cache.decode_metadata([0, 1], block_table_width=width)
+    assert cache.num_free_blocks == free and cache.seq_len(0) == 4 and cache.seq_len(1) == 2
+    metadata = cache.decode_metadata([0, 1], block_table_width=5)
+    assert metadata.block_tables.shape == (2, 5)
+    assert cache.num_free_blocks == free - 1
+    table_0 = cache._seq_blocks[0]
+    assert metadata.block_tables.tolist() == [table_0 + [0, 0, 0], cache._seq_blocks[1] + [0] * 4]
+    assert metadata.slot_mapping.tolist() == [table_0[1] * 4, cache._seq_blocks[1][0] * 4 + 2]
+
+
+def test_packed_copy_keeps_every_tensor():
+    """Metadata goes to a GPU as one copy of its tensors packed together: each comes back whole, aligned to
+    its element size whatever precedes it."""
+    host = [torch.tensor([3, -1, 7], dtype=torch.int32), torch.randint(-2**40, 2**40, (5,)),
+            torch.randint(0, 99, (3, 3), dtype=torch.int32), torch.randn(2, 1, dtype=torch.float64)]
+    copied = _copy_packed(host, torch.device("cpu"))
+    for original, copy in zip(host, copied, strict=True):
+        assert copy.dtype == original.dtype and copy.shape == original.shape
+        assert torch.equal(copy, original)
+        assert copy.data_ptr() % copy.element_size() == 0
+    assert len({copy.untyped_storage().data_ptr() for copy in copied}) == 1
 
 
 @pytest.mark.parametrize("call,message", [

@@ -158,19 +158,30 @@ class PagedKVCache:
         slot_mapping = torch.where(positions[None, :] < lens[:, None], slots, -1)
         return self._metadata(True, slot_mapping.flatten(), block_tables, prompt_lens, prompt_lens)
 
-    def decode_metadata(self, seq_ids: Sequence[int], append: bool = True) -> AttentionMetadata:
+    def decode_metadata(self, seq_ids: Sequence[int], append: bool = True, *,
+                        block_table_width: int | None = None) -> AttentionMetadata:
         """One decode step of cached sequences.
 
         ``append=True`` (self-attention): one new token per sequence, its slot allocated (a new block when
         the last one is full). ``append=False`` (cross-attention over stored encoder K/V): attend to what
-        is cached; nothing is allocated or written (``slot_mapping`` is all -1).
+        is cached; nothing is allocated or written (``slot_mapping`` is all -1). ``block_table_width``:
+        the block tables' columns, at least the most blocks a sequence holds after this step (default: that
+        many); a fixed width keeps the step's shapes fixed while sequences grow (a CUDA graph's, and the
+        attention kernel's split-K plan, which follows the width).
         """
         seq_ids = self._check_seq_ids(seq_ids)
         for seq_id in seq_ids:
             self._check_known(seq_id)
+        growing = [seq_id for seq_id in seq_ids if append and self._seq_lens[seq_id] % self.block_size == 0]
+        self._check_available(len(growing), "decode")
+        needed_width = max(len(self._seq_blocks[seq_id]) + (seq_id in growing) for seq_id in seq_ids)
+        if block_table_width is not None and (isinstance(block_table_width, bool)
+                                              or not isinstance(block_table_width, int)
+                                              or block_table_width < needed_width):
+            raise ValueError(f"PagedKVCache.decode_metadata: block_table_width: expected None or an int >= "
+                             f"{needed_width} (the most blocks a sequence holds after this step), got "
+                             f"{block_table_width!r}")
         if append:
-            growing = [seq_id for seq_id in seq_ids if self._seq_lens[seq_id] % self.block_size == 0]
-            self._check_available(len(growing), "decode")
             for seq_id in growing:
                 self._seq_blocks[seq_id].append(self._free_blocks.pop())
             slots = []
@@ -183,7 +194,8 @@ class PagedKVCache:
         else:
             slot_mapping = torch.full((len(seq_ids),), -1, dtype=torch.int64)  # [num_seqs]
         seq_lens = [self._seq_lens[seq_id] for seq_id in seq_ids]
-        return self._metadata(False, slot_mapping, self._block_tables(seq_ids), seq_lens, [1] * len(seq_ids))
+        return self._metadata(False, slot_mapping, self._block_tables(seq_ids, block_table_width), seq_lens,
+                              [1] * len(seq_ids))
 
     def free(self, seq_id: int) -> None:
         """Return a sequence's blocks to the allocator."""
@@ -210,26 +222,44 @@ class PagedKVCache:
                                f"{len(self._free_blocks)} of {self.num_blocks} are free (free finished "
                                f"sequences, or give the cache more memory)")
 
-    def _block_tables(self, seq_ids: list[int]) -> torch.Tensor:
-        width = max(len(self._seq_blocks[seq_id]) for seq_id in seq_ids)
+    def _block_tables(self, seq_ids: list[int], width: int | None = None) -> torch.Tensor:
+        width = width or max(len(self._seq_blocks[seq_id]) for seq_id in seq_ids)
         # Entries past a sequence's blocks are never read; 0 keeps them in range.
         rows = [blocks + [0] * (width - len(blocks)) for blocks in (self._seq_blocks[i] for i in seq_ids)]
-        return torch.tensor(rows, dtype=torch.int32)  # [num_seqs, max_blocks_per_seq]
+        return torch.tensor(rows, dtype=torch.int32)  # [num_seqs, width]
 
     def _metadata(self, is_prefill: bool, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                   seq_lens: Sequence[int], query_lens: Sequence[int]) -> AttentionMetadata:
-        return AttentionMetadata(
-            is_prefill=is_prefill,
-            slot_mapping=self._to_device(slot_mapping),
-            block_tables=self._to_device(block_tables),
-            seq_lens=self._to_device(torch.tensor(seq_lens, dtype=torch.int32)),
-            query_lens=self._to_device(torch.tensor(query_lens, dtype=torch.int32)),
-        )
+        slot_mapping, block_tables, seq_lens, query_lens = self._to_device(
+            slot_mapping, block_tables, torch.tensor(seq_lens, dtype=torch.int32),
+            torch.tensor(query_lens, dtype=torch.int32))
+        return AttentionMetadata(is_prefill=is_prefill, slot_mapping=slot_mapping, block_tables=block_tables,
+                                 seq_lens=seq_lens, query_lens=query_lens)
 
-    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+    def _to_device(self, *host: torch.Tensor) -> list[torch.Tensor]:
         if self.device.type != "cuda":
-            return host.to(self.device)
-        # A copy from pageable memory makes the host wait for the GPU to drain its queue; from pinned
-        # memory it is queued behind the work already there, so building the next step's metadata
-        # overlaps the current step.
-        return host.pin_memory().to(self.device, non_blocking=True)
+            return [tensor.to(self.device) for tensor in host]
+        return _copy_packed(host, self.device)
+
+
+def _copy_packed(host: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """The host tensors on ``device`` by one copy of them packed together (from pinned memory on a GPU).
+
+    One copy a step instead of one a tensor: each copy is a few microseconds of an idle GPU between decode
+    steps. From pinned memory the copy is queued behind the work already there, so building the next step's
+    metadata overlaps the current step (from pageable memory the host would wait for the GPU's queue)."""
+    offsets, end = [], 0
+    for tensor in host:
+        end += -end % tensor.element_size()  # each view starts aligned to its element size
+        offsets.append(end)
+        end += tensor.numel() * tensor.element_size()
+    packed = torch.empty(end, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    for view, tensor in zip(_views(packed, host, offsets), host, strict=True):
+        view.copy_(tensor)
+    return _views(packed.to(device, non_blocking=True), host, offsets)
+
+
+def _views(packed: torch.Tensor, like: Sequence[torch.Tensor], offsets: Sequence[int]) -> list[torch.Tensor]:
+    """Views of the bytes ``packed`` at ``offsets`` with the dtypes and shapes of ``like``."""
+    return [packed[offset: offset + tensor.numel() * tensor.element_size()].view(tensor.dtype)
+            .view(tensor.shape) for tensor, offset in zip(like, offsets, strict=True)]
