@@ -97,7 +97,11 @@ def _compiled_step_on_ranks(path: str, tp_size: int) -> None:
         eager = model._decode_step(tokens[:, None], metadata, caches)
         compiled = torch.compile(model._decode_step, fullgraph=True, backend="eager")
         logits = compiled(tokens[:, None], metadata, caches)
+        # What a greedy generation's graph replays: the step and the draw.
+        drawn = torch.compile(model._decode_and_draw, fullgraph=True, backend="eager")(
+            tokens[:, None], metadata, caches)
     torch.testing.assert_close(logits, eager)
+    assert drawn.tolist() == eager.argmax(-1).tolist()
 
 
 @pytest.mark.parametrize("tp_size", [1, 2])
@@ -156,7 +160,7 @@ def test_compiled_decode_step_gives_the_same_tokens(checkpoint, monkeypatch):
     model = from_pretrained(checkpoint, tp_group=SINGLE, device="cpu")
     expected = model.generate(PROMPTS, 6, ignore_eos=True)
     assert model.generate(PROMPTS, 6, ignore_eos=True, compile=True) == expected
-    assert model._compiled_decode_step is not None
+    assert model._compiled_decode_steps
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -217,6 +221,32 @@ def test_cuda_graph_at_two_ranks_gives_the_eager_tokens_and_lets_the_group_go(ch
         assert graphed == eager
     assert {(0, "destroyed"), (1, "destroyed")} <= seen.keys(), \
         f"destroy_tensor_parallel did not return within 120 s on every rank: {sorted(seen)}"
+
+
+@torch.inference_mode()
+def test_static_decode_step_that_draws_gives_the_argmax_of_the_plain_step(model):
+    """A CUDA graph of a greedy generation replays the draw too: the static step then hands back the live
+    rows' tokens."""
+    caches = model._reserve_kv_caches(model._plan_kv_cache([len(p) for p in PROMPTS], 6))
+    try:
+        tokens = model._prefill(PROMPTS, caches).argmax(-1)
+        step = lambda ids, metadata: model._decode_and_draw(ids, metadata, caches)
+        greedy = Sampler(temperature=0.0, top_k=None, top_p=None, seed=None, device=model.device,
+                         tp_group=SINGLE)
+        static = StaticDecodeStep(step, len(PROMPTS), {"self": 2}, model.device)
+        for seq_ids in ([0, 1, 2, 3], [0, 1, 2, 3], [1, 3]):
+            metadata = model._decode_metadata(caches, seq_ids, {"self": 2})
+            rows = torch.tensor(seq_ids)
+            expected = model._decode_step(tokens[rows, None], metadata, caches).argmax(-1)
+            drawn = static(tokens[rows, None], metadata, seq_ids)
+            assert drawn.dtype == torch.int64 and drawn.tolist() == expected.tolist()
+            # A graph's output is overwritten by its next replay: generation takes a copy.
+            next_tokens = model._next_tokens(greedy, drawn, 1, 6, drawn=True)
+            assert next_tokens.tolist() == expected.tolist() and next_tokens.data_ptr() != drawn.data_ptr()
+            tokens[rows] = next_tokens
+    finally:
+        for seq_id in range(len(PROMPTS)):
+            model._free(caches, seq_id)
 
 
 @torch.inference_mode()

@@ -300,10 +300,12 @@ class BartForConditionalGeneration(PagedLM):
         hidden = self.decode(start, positions, encoder_states, caches, metadata)  # [batch, 1, d_model]
         return self.compute_logits(hidden[:, 0])
 
-    def _decode_metadata(self, caches: Mapping[str, PagedKVCache],
-                         seq_ids: Sequence[int]) -> dict[str, AttentionMetadata]:
-        return {"self": caches["self"].decode_metadata(seq_ids),
-                "cross": caches["cross"].decode_metadata(seq_ids, append=False)}
+    def _decode_metadata(self, caches: Mapping[str, PagedKVCache], seq_ids: Sequence[int],
+                         max_blocks: Mapping[str, int] | None = None) -> dict[str, AttentionMetadata]:
+        width = {} if max_blocks is None else max_blocks
+        return {"self": caches["self"].decode_metadata(seq_ids, block_table_width=width.get("self")),
+                "cross": caches["cross"].decode_metadata(seq_ids, append=False,
+                                                         block_table_width=width.get("cross"))}
 
     def _decode_step(self, input_ids: torch.Tensor, metadata: Mapping[str, AttentionMetadata],
                      caches: Mapping[str, PagedKVCache]) -> torch.Tensor:

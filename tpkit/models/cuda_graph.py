@@ -2,9 +2,9 @@
 
 A decode step of a small batch is hundreds of small kernels; launched one by one from Python, the host is
 slower than the GPU. Captured once, the whole step (embedding, every layer's projections, RoPE, cache write,
-paged attention, all-reduces, logits) is one launch. The graph reads its inputs from static buffers: token
-ids, and per KV cache the metadata (slot_mapping, block_tables, seq_lens; positions follow from seq_lens).
-Each step copies the step's values into them, device to device, and replays.
+paged attention, all-reduces, logits, and with greedy sampling the draw) is one launch. The graph reads its
+inputs from static buffers: token ids, and per KV cache the metadata (slot_mapping, block_tables, seq_lens;
+positions follow from seq_lens). Each step copies the step's values into them, device to device, and replays.
 
 The graph serves a fixed batch size; when sequences finish early their rows become padding: slot -1 (no
 cache write) and seq_len 0 (nothing attended), so the graph never touches blocks that went back to the cache.
@@ -21,8 +21,9 @@ from tpkit.attention import AttentionMetadata
 
 
 class StaticDecodeStep:
-    """``step(input_ids [batch, 1], metadata) -> logits [batch, vocab]`` run on static buffers for a batch of
-    ``batch`` sequences: what a CUDA graph replays, here run eagerly (which tests do on the CPU).
+    """``step(input_ids [batch, 1], metadata) -> logits [batch, vocab]`` (or the tokens drawn from them,
+    ``[batch]``) run on static buffers for a batch of ``batch`` sequences: what a CUDA graph replays, here run
+    eagerly (which tests do on the CPU).
 
     max_blocks: per cache name, the widest block table a sequence of this batch can need.
     """
@@ -48,7 +49,9 @@ class StaticDecodeStep:
     def __call__(self, input_ids: torch.Tensor, metadata: Mapping[str, AttentionMetadata],
                  seq_ids: Sequence[int]) -> torch.Tensor:
         """One decode step of the sequences ``seq_ids`` (rows of the batch; all rows when none has
-        finished): input_ids ``[len(seq_ids), 1]`` -> logits ``[len(seq_ids), vocab]``."""
+        finished): input_ids ``[len(seq_ids), 1]`` -> the step's output for those rows (logits
+        ``[len(seq_ids), vocab]``, or tokens). With every row live, a graph hands back its own output buffer,
+        which its next replay overwrites."""
         rows = None if len(seq_ids) == self.batch else torch.tensor(seq_ids, device=self.device)
         _fill(self.input_ids, input_ids, rows, 0)
         for name, static in self.metadata.items():
@@ -56,8 +59,8 @@ class StaticDecodeStep:
             _fill(static.seq_lens, step_metadata.seq_lens, rows, 0)
             _fill(static.block_tables, step_metadata.block_tables, rows, 0)
             _fill(static.slot_mapping, step_metadata.slot_mapping, rows, -1)
-        logits = self._run()  # [batch, vocab]
-        return logits if rows is None else logits[rows]
+        out = self._run()  # [batch, ...]
+        return out if rows is None else out[rows]
 
     def _run(self) -> torch.Tensor:
         return self.step(self.input_ids, self.metadata)
@@ -82,11 +85,11 @@ class DecodeGraph(StaticDecodeStep):
         torch.cuda.current_stream(device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
-            self.logits = step(self.input_ids, self.metadata)  # [batch, vocab]
+            self.out = step(self.input_ids, self.metadata)  # [batch, ...]
 
     def _run(self) -> torch.Tensor:
         self.graph.replay()
-        return self.logits
+        return self.out
 
 
 def _fill(static: torch.Tensor, value: torch.Tensor, rows: torch.Tensor | None, pad: int) -> None:

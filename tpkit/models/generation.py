@@ -14,7 +14,6 @@ Models plug in through :class:`PagedLM`'s hooks; decoder-only models get them al
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import operator
 from abc import ABC, abstractmethod
@@ -147,15 +146,28 @@ class Sampler:
             else:
                 self.generator.manual_seed(seed)
 
+    @property
+    def is_greedy(self) -> bool:
+        """temperature 0: the draw is the logits' argmax, which needs no generator (a CUDA graph can replay
+        it)."""
+        return self.temperature == 0
+
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """logits ``[batch, vocab]`` -> int64 token ids ``[batch]``, identical on every rank."""
+        return self.share(self.draw(logits))
+
+    def draw(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits ``[batch, vocab]`` -> int64 token ids ``[batch]``: rank 0's draw (elsewhere uninitialised,
+        until :meth:`share`)."""
         if not self.is_source:
-            tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-        elif self.temperature == 0:
-            tokens = greedy_tokens(logits) if logits.is_cuda else logits.argmax(dim=-1)
-        else:
-            probs = filter_logits(logits, self.temperature, self.top_k, self.top_p).softmax(dim=-1)
-            tokens = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
+            return torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+        if self.is_greedy:
+            return greedy_tokens(logits) if logits.is_cuda else logits.argmax(dim=-1)
+        probs = filter_logits(logits, self.temperature, self.top_k, self.top_p).softmax(dim=-1)
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
+
+    def share(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``tokens`` ``[batch]`` on every rank (in place)."""
         if self.tp_size > 1:
             dist.broadcast(tokens, group=self.group, group_src=0)
         return tokens
@@ -166,18 +178,6 @@ def right_pad(token_lists: Sequence[Sequence[int]], device: torch.device) -> tor
     max_len = max(len(ids) for ids in token_lists)
     return torch.tensor([list(ids) + [0] * (max_len - len(ids)) for ids in token_lists], dtype=torch.int64,
                         device=device)
-
-
-def _widen(metadata: Mapping[str, AttentionMetadata],
-           max_blocks: Mapping[str, int]) -> dict[str, AttentionMetadata]:
-    """The metadata with each cache's block tables zero-padded to ``max_blocks`` columns (entries past a
-    sequence's blocks are never read)."""
-    widened = {}
-    for name, step_metadata in metadata.items():
-        pad = max_blocks[name] - step_metadata.block_tables.shape[1]
-        widened[name] = step_metadata if pad <= 0 else dataclasses.replace(
-            step_metadata, block_tables=nn.functional.pad(step_metadata.block_tables, (0, pad)))
-    return widened
 
 
 class PagedLM(nn.Module, ABC):
@@ -206,7 +206,7 @@ class PagedLM(nn.Module, ABC):
         self._kv_caches: dict[str, PagedKVCache] = {}
         self._graphs: dict[tuple, DecodeGraph] = {}
         self._graph_pool: Any = None
-        self._compiled_decode_step: Callable | None = None
+        self._compiled_decode_steps: dict[str, Callable] = {}  # by the step's name
 
     @property
     def device(self) -> torch.device:
@@ -242,9 +242,10 @@ class PagedLM(nn.Module, ABC):
         ``[batch, vocab]``."""
 
     @abstractmethod
-    def _decode_metadata(self, caches: Mapping[str, PagedKVCache],
-                         seq_ids: Sequence[int]) -> dict[str, AttentionMetadata]:
-        """Metadata of one decode step of ``seq_ids`` per cache (allocates a slot for each new token)."""
+    def _decode_metadata(self, caches: Mapping[str, PagedKVCache], seq_ids: Sequence[int],
+                         max_blocks: Mapping[str, int] | None = None) -> dict[str, AttentionMetadata]:
+        """Metadata of one decode step of ``seq_ids`` per cache (allocates a slot for each new token), the
+        block tables ``max_blocks[name]`` wide (None: as wide as the sequences need)."""
 
     @abstractmethod
     def _decode_step(self, input_ids: torch.Tensor, metadata: Mapping[str, AttentionMetadata],
@@ -287,13 +288,18 @@ class PagedLM(nn.Module, ABC):
         batch = len(token_lists)
         # Per cache, the widest block table a sequence of this generation needs.
         max_blocks = {name: -(-max(tokens) // self.kv_block_size) for name, tokens in needs.items()}
-        decode_step = self._compiled_step() if compile else self._decode_step
+        # A graph replays the greedy draw with the step: its kernels then run without gaps between them and
+        # the graph's launch, and the step hands back a few bytes of tokens instead of the logits.
+        draws_in_step = cuda_graph and sample.is_greedy
+        decode_step = self._decode_step
+        if draws_in_step:
+            decode_step = self._decode_and_draw
+        if compile:
+            decode_step = self._compiled(decode_step)
         if cuda_graph and max_new_tokens > 1:
-            step = self._graph_step(decode_step, caches, batch, max_blocks, compile)
+            step = self._graph_step(decode_step, caches, batch, max_blocks, (compile, draws_in_step))
         else:
-            # Block tables as wide as a graph's: the CUDA attention kernel plans its split-K from their width,
-            # so eager and graph steps take the same plan and give the same tokens.
-            step = lambda ids, metadata, _: decode_step(ids, _widen(metadata, max_blocks), caches)
+            step = lambda ids, metadata, _: decode_step(ids, metadata, caches)
         seq_ids = list(range(batch))
         outputs: list[list[int]] = [[] for _ in range(batch)]
         unchecked: list[torch.Tensor] = []  # [batch] per step when no EOS can stop a sequence
@@ -305,8 +311,10 @@ class PagedLM(nn.Module, ABC):
             tokens = self._next_tokens(sample, logits, 0, max_new_tokens)  # [len(seq_ids)]
             for i in range(max_new_tokens):
                 if i > 0:
-                    logits = step(tokens[:, None], self._decode_metadata(caches, seq_ids), seq_ids)
-                    tokens = self._next_tokens(sample, logits, i, max_new_tokens)
+                    # Block tables as wide as a graph's in every step: the CUDA attention kernel plans its
+                    # split-K from their width, so eager and graph steps take the same plan and tokens.
+                    out = step(tokens[:, None], self._decode_metadata(caches, seq_ids, max_blocks), seq_ids)
+                    tokens = self._next_tokens(sample, out, i, max_new_tokens, draws_in_step)
                 if not eos:
                     # Nothing to decide on the host: the loop never waits for the device.
                     unchecked.append(tokens)
@@ -336,17 +344,19 @@ class PagedLM(nn.Module, ABC):
             outputs = torch.stack(unchecked, dim=1).tolist()
         return outputs
 
-    def _next_tokens(self, sample: Sampler, logits: torch.Tensor, step: int,
-                     max_new_tokens: int) -> torch.Tensor:
-        """logits ``[batch, vocab]`` -> ``[batch]`` token ids: sampled, or the token forced at this step (see
-        ``forced_bos_token_id``), which is the same on every rank, so nothing is broadcast for it."""
+    def _next_tokens(self, sample: Sampler, out: torch.Tensor, step: int, max_new_tokens: int,
+                     drawn: bool = False) -> torch.Tensor:
+        """``[batch]`` token ids from a step's output: its logits ``[batch, vocab]`` sampled, or with
+        ``drawn`` the tokens it drew ``[batch]`` (a graph's output, which its next replay overwrites: copied),
+        unless a token is forced at this step (see ``forced_bos_token_id``). A forced token is the same on
+        every rank, so nothing is broadcast for it."""
         if step == max_new_tokens - 1 and self.forced_eos_token_id is not None:
             forced = self.forced_eos_token_id
         else:
             forced = self.forced_bos_token_id if step == 0 else None
-        if forced is None:
-            return sample(logits)
-        return torch.full((logits.shape[0],), forced, dtype=torch.int64, device=logits.device)
+        if forced is not None:
+            return torch.full((out.shape[0],), forced, dtype=torch.int64, device=out.device)
+        return sample.share(out.clone()) if drawn else sample(out)
 
     @staticmethod
     def _free(caches: Mapping[str, PagedKVCache], seq_id: int) -> None:
@@ -369,15 +379,23 @@ class PagedLM(nn.Module, ABC):
                                                      head_size, dtype=self.dtype, device=self.device)
         return {name: self._kv_caches[name] for name in needs}
 
-    def _compiled_step(self) -> Callable:
-        if self._compiled_decode_step is None:
+    def _decode_and_draw(self, input_ids: torch.Tensor, metadata: Mapping[str, AttentionMetadata],
+                         caches: Mapping[str, PagedKVCache]) -> torch.Tensor:
+        """:meth:`_decode_step` then the greedy draw, on a GPU: input_ids ``[batch, 1]`` -> ``[batch]``. Every
+        rank draws; :meth:`Sampler.share` then gives them rank 0's tokens."""
+        return greedy_tokens(self._decode_step(input_ids, metadata, caches))
+
+    def _compiled(self, decode_step: Callable) -> Callable:
+        compiled = self._compiled_decode_steps.get(decode_step.__name__)
+        if compiled is None:
             # Shapes are static per batch: no dynamic-shape guards, the tightest code.
-            self._compiled_decode_step = torch.compile(self._decode_step, dynamic=False)
-        return self._compiled_decode_step
+            compiled = torch.compile(decode_step, dynamic=False)
+            self._compiled_decode_steps[decode_step.__name__] = compiled
+        return compiled
 
     def _graph_step(self, decode_step: Callable, caches: Mapping[str, PagedKVCache], batch: int,
-                    max_blocks: Mapping[str, int], compiled: bool) -> StepFn:
-        key = (batch, tuple(sorted(max_blocks.items())), compiled)
+                    max_blocks: Mapping[str, int], variant: tuple) -> StepFn:
+        key = (batch, tuple(sorted(max_blocks.items())), variant)
         graph = self._graphs.get(key)
         if graph is None:
             if self._graph_pool is None:
@@ -431,9 +449,10 @@ class PagedDecoderOnlyLM(PagedLM):
         last = torch.tensor(prompt_lens, device=self.device) - 1
         return self.compute_logits(hidden[torch.arange(len(prompts), device=self.device), last])
 
-    def _decode_metadata(self, caches: Mapping[str, PagedKVCache],
-                         seq_ids: Sequence[int]) -> dict[str, AttentionMetadata]:
-        return {"self": caches["self"].decode_metadata(seq_ids)}
+    def _decode_metadata(self, caches: Mapping[str, PagedKVCache], seq_ids: Sequence[int],
+                         max_blocks: Mapping[str, int] | None = None) -> dict[str, AttentionMetadata]:
+        width = None if max_blocks is None else max_blocks["self"]
+        return {"self": caches["self"].decode_metadata(seq_ids, block_table_width=width)}
 
     def _decode_step(self, input_ids: torch.Tensor, metadata: Mapping[str, AttentionMetadata],
                      caches: Mapping[str, PagedKVCache]) -> torch.Tensor:
