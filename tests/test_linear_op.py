@@ -291,14 +291,12 @@ def test_llama_decode_step_with_the_norms_in_the_products_on_cpu(monkeypatch: py
     torch.testing.assert_close(_cache_tensors(caches), after_plain, rtol=1e-5, atol=1e-5)
 
 
-def test_llama_decode_step_with_the_norms_in_the_products_compiles_without_graph_breaks(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    # generate(compile=True) compiles the decode step. A graph break inside a layer made dynamo compile that
-    # layer's frame once per layer (the guards differ by layer) until its recompile limit (8), and run the
-    # layers past it uncompiled; fullgraph=True fails on any break. Same logits as the eager step. (The step
-    # with the norms as modules, on one rank and two: tests/test_generate.py.)
-    config = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 64}
+def _tiny_decode_step(monkeypatch: pytest.MonkeyPatch, num_layers: int) -> tuple:
+    """A tiny Llama on the CPU that takes the decode kernels' path (their applicability patched), prefilled:
+    (model, caches, tokens [2], metadata) of its first decode step, with dynamo reset."""
+    config = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": num_layers,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
+              "max_position_embeddings": 64}
     torch.manual_seed(0)
     model = LlamaForCausalLM(config, tp_group=SINGLE)
     prompts = [torch.randint(0, 128, (n,)).tolist() for n in (6, 3)]
@@ -308,9 +306,57 @@ def test_llama_decode_step_with_the_norms_in_the_products_compiles_without_graph
     with torch.no_grad():
         tokens = model._prefill(prompts, caches).argmax(-1)
         metadata = model._decode_metadata(caches, [0, 1])
+    return model, caches, tokens, metadata
+
+
+def test_llama_decode_step_with_the_norms_in_the_products_compiles_without_graph_breaks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # generate(compile=True) compiles the decode step. A graph break inside a layer made dynamo compile that
+    # layer's frame once per layer (the guards differ by layer) until its recompile limit (8), and run the
+    # layers past it uncompiled; fullgraph=True fails on any break. Same logits as the eager step. (The step
+    # with the norms as modules, on one rank and two: tests/test_generate.py.)
+    model, caches, tokens, metadata = _tiny_decode_step(monkeypatch, 2)
+    with torch.no_grad():
         assert model._norms_in_products(torch.empty(2, 1, 64), caches["self"], metadata["self"])
         # Both write the same k, v into the same slots: the second step sees the caches the first did.
         eager = model._decode_step(tokens[:, None], metadata, caches)
         compiled = torch.compile(model._decode_step, fullgraph=True, backend="eager")
         logits = compiled(tokens[:, None], metadata, caches)
     torch.testing.assert_close(logits, eager)
+
+
+def _call_arguments(code: str, op: str) -> list[list[str]]:
+    """The arguments of every call of ``op`` in inductor's generated ``code``, as source strings."""
+    calls = []
+    for line in code.splitlines():
+        start = line.find(op + "(")
+        if start < 0:
+            continue
+        args, depth, current = [], 0, ""
+        for char in line[start + len(op) + 1:]:
+            if char == ")" and depth == 0:
+                break
+            depth += {"(": 1, ")": -1}.get(char, 0)
+            if char == "," and depth == 0:
+                args.append(current.strip())
+                current = ""
+            else:
+                current += char
+        calls.append([*args, current.strip()])
+    return calls
+
+
+def test_compiled_decode_step_computes_cos_and_sin_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # inductor copied the step's cos and sin into buffers of their own for every layer's
+    # decode_qkv_rope_cache (a layout constraint of custom ops' inputs): 64 copies a Llama-3-8B step in six
+    # kernels. The op's flexible_layout tag lets every layer read the same two.
+    from torch._inductor.utils import run_and_get_code
+
+    model, caches, tokens, metadata = _tiny_decode_step(monkeypatch, 3)
+    # The code, not a cached one: a cache key does not cover the op's tags.
+    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)
+    with torch.no_grad():
+        _, codes = run_and_get_code(torch.compile(model._decode_step), tokens[:, None], metadata, caches)
+    calls = _call_arguments("\n".join(codes), "torch.ops.tpkit.decode_qkv_rope_cache.default")
+    assert len(calls) == 3
+    assert len({tuple(args[3:5]) for args in calls}) == 1, [args[3:5] for args in calls]

@@ -195,7 +195,11 @@ def _on_rows(op: Callable[..., torch.Tensor], input: torch.Tensor, weight: torch
     return op(rows, weight, bias, *args).view(*input.shape[:-1], features)
 
 
-@torch.library.custom_op("tpkit::decode_qkv_rope_cache", mutates_args=("key_cache", "value_cache"))
+# flexible_layout: inductor hands the op its inputs as it laid them out (the binding takes contiguous cos and
+# sin, as inductor makes them, and falls back on anything else). Without it inductor copied the step's cos
+# and sin into a buffer of their own for every layer's call: 64 copies a Llama-3-8B step, in six kernels.
+@torch.library.custom_op("tpkit::decode_qkv_rope_cache", mutates_args=("key_cache", "value_cache"),
+                        tags=(torch.Tag.flexible_layout,))
 def _decode_qkv_rope_cache_op(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                               cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,
                               value_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int,
