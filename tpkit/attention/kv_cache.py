@@ -194,8 +194,8 @@ class PagedKVCache:
         else:
             slot_mapping = torch.full((len(seq_ids),), -1, dtype=torch.int64)  # [num_seqs]
         seq_lens = [self._seq_lens[seq_id] for seq_id in seq_ids]
-        return self._metadata(False, slot_mapping, self._block_tables(seq_ids, block_table_width), seq_lens,
-                              [1] * len(seq_ids))
+        block_tables = self._block_tables(seq_ids, block_table_width or needed_width)
+        return self._metadata(False, slot_mapping, block_tables, seq_lens, [1] * len(seq_ids))
 
     def free(self, seq_id: int) -> None:
         """Return a sequence's blocks to the allocator."""
