@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from cuda_graphs import capture
 
 from tpkit.attention import (
     _cuda,
@@ -146,14 +147,7 @@ def test_compiled_and_graph_replay() -> None:
     expected = torch.relu(_reference(x * 2, w, b))
     _assert_close(compiled(x), expected, torch.bfloat16)
     static_x = x.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        decode_linear(static_x, w, b)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = decode_linear(static_x, w, b)
+    graph, static_out = capture(lambda: decode_linear(static_x, w, b))
     x2, _, _ = _operands(8, 512, 1024, torch.bfloat16, bias=False, seed=7)
     static_x.copy_(x2)
     graph.replay()
@@ -243,14 +237,7 @@ def test_llama_mlp_swiglu_in_the_product() -> None:
     compiled = torch.compile(mlp, fullgraph=True)
     fused = compiled(x)
     static_x = torch.zeros_like(x)
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        mlp(static_x)
-    torch.cuda.current_stream().wait_stream(stream)
-    with torch.cuda.graph(graph):
-        static_out = mlp(static_x)
+    graph, static_out = capture(lambda: mlp(static_x))
     static_x.copy_(x)
     graph.replay()
     set_linear_op(mlp, F.linear)

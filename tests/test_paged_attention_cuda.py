@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from cuda_graphs import capture
 
 from tpkit.attention import _cuda, paged_attention, reshape_and_cache
 
@@ -397,14 +398,7 @@ def test_cuda_graph_replay() -> None:
         reshape_and_cache(new_k, new_v, key_cache, value_cache, slots)
         paged_attention(query, key_cache, value_cache, block_tables, lens, out=out)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # warm-up: builds/loads the extension and plans outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, _ = capture(step)
 
     for new_lens in ([701, 2, 2001], [64, 1500, 17]):
         lens.copy_(torch.tensor(new_lens, dtype=torch.int32))

@@ -4,7 +4,9 @@
 ``paged_attention`` and ``reshape_and_cache`` are ``torch.library`` custom ops
 (``torch.ops.tpkit.paged_attention``, ``torch.ops.tpkit.reshape_and_cache``) with a PyTorch implementation
 for the CPU and a CUDA kernel for NVIDIA GPUs. Caches are
-``[num_blocks, block_size, num_kv_heads, head_size]``.
+``[num_blocks, block_size, num_kv_heads, head_size]``. ``apply_rotary`` and ``decode_linear_silu_and_mul``
+past the decode kernel's 16 rows (a prefill) run RoPE and SwiGLU as one kernel each on GPUs
+(``torch.ops.tpkit.rotary``, ``torch.ops.tpkit.silu_and_mul``), with the values of the PyTorch expressions.
 """
 
 from tpkit.attention.kv_cache import AttentionMetadata, PagedKVCache

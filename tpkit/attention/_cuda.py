@@ -42,6 +42,7 @@ _SOURCES = (
     "paged_attention_bfloat16.cu",
     "paged_attention_float32.cu",
     "decode_linear.cu",
+    "elementwise.cu",
 )
 _MIN_CAPABILITY = (8, 0)
 
@@ -292,3 +293,21 @@ def decode_qkv_rope_cache(
     return module is not None and module.decode_qkv_rope_cache(out, input, weight, bias, cos, sin, key_cache,
                                                                value_cache, slot_mapping, num_heads, rms_sums,
                                                                eps)
+
+
+def rotary(out: torch.Tensor, input: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """RoPE of ``input`` ``[num_tokens, num_heads, head_size]`` (any token and head strides, the last
+    dimension contiguous) by cos, sin ``[num_tokens, head_size / 2]`` into ``out`` (contiguous, input's
+    shape), rounded as :func:`tpkit.attention.apply_rotary` rounds; False where no kernel is available here
+    or it does not take these tensors (float16 or bfloat16, head_size a multiple of 16, 16-byte aligned
+    rows)."""
+    module = _module_for(input.device)
+    return module is not None and module.rotary(out, input, cos, sin)
+
+
+def silu_and_mul(out: torch.Tensor, input: torch.Tensor) -> bool:
+    """``out`` ``[num_rows, features]`` = ``F.silu(gate) * up`` of ``input``'s halves ``[num_rows, 2 *
+    features]``, rounded as that expression rounds; False where no kernel is available here or it does not
+    take these tensors (float16 or bfloat16, features a multiple of 8, 16-byte aligned rows)."""
+    module = _module_for(input.device)
+    return module is not None and module.silu_and_mul(out, input)

@@ -28,16 +28,52 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import register_flop_formula
 
-from tpkit.attention.ops import reshape_and_cache
+from tpkit.attention.ops import _FLOAT_DTYPES, _check_tensor, _define_op, reshape_and_cache
 from tpkit.attention.rotary import apply_rotary
 
 _MAX_ROWS = 16  # TPKIT_DECODE_LINEAR_MAX_ROWS of csrc/decode_linear.h
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def _silu_and_mul_expression(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def _check_silu_and_mul(out: torch.Tensor, input: torch.Tensor, *, read_values: bool = False) -> None:
+    _check_tensor("silu_and_mul", "input", input, dim=2, dtypes=_FLOAT_DTYPES)
+    num_rows, width = input.shape
+    if width % 2:
+        raise ValueError(f"silu_and_mul: input: expected [num_rows, 2 * features] (gate, then up), got shape "
+                         f"{list(input.shape)}")
+    _check_tensor("silu_and_mul", "out", out, dim=2, dtypes=(input.dtype,))
+    if out.shape != (num_rows, width // 2):
+        raise ValueError(f"silu_and_mul: out: expected shape [{num_rows}, {width // 2}], got "
+                         f"{list(out.shape)}")
+
+
+def _silu_and_mul_reference(out: torch.Tensor, input: torch.Tensor) -> None:
+    out.copy_(_silu_and_mul_expression(input))
+
+
+# out [num_rows, features] = silu(gate) * up of input [num_rows, 2 * features]: one kernel on the GPU where
+# the expression is two (the prefill's SwiGLU after cuBLAS's gate/up product).
+_define_op("silu_and_mul", "(Tensor(a!) out, Tensor input) -> ()", ("out",), _check_silu_and_mul,
+           _silu_and_mul_reference)
+
+
+def _silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``F.silu(gate) * up`` of ``gate_up``'s halves ``[..., 2 * features]`` -> ``[..., features]``; by the
+    ``tpkit::silu_and_mul`` op on GPUs (float16, bfloat16) where no gradient is wanted (it has no backward),
+    with the same values."""
+    if not (gate_up.is_cuda and gate_up.dtype in _KERNEL_DTYPES and gate_up.dim() >= 1
+            and not (torch.is_grad_enabled() and gate_up.requires_grad)):
+        return _silu_and_mul_expression(gate_up)
+    width = gate_up.shape[-1]
+    rows = gate_up.reshape(-1, width)  # [num_rows, 2 * features], a view wherever the rows allow one
+    out = gate_up.new_empty(rows.shape[0], width // 2)
+    torch.ops.tpkit.silu_and_mul(out, rows)
+    return out.view(*gate_up.shape[:-1], width // 2)
 
 
 def _features(weight: torch.Tensor, silu_and_mul: bool) -> int:

@@ -1,7 +1,7 @@
-// Torch binding of tpkit's CUDA kernels (paged attention, the cache write, the decode linear): checks
-// tensors, plans, allocates the split-K scratch from the shapes (so it is CUDA-graph safe: the caching
-// allocator serves it under capture too) and launches on the current stream. The kernels themselves are
-// torch-free (paged_attention.h, decode_linear.h).
+// Torch binding of tpkit's CUDA kernels (paged attention, the cache write, the decode linear, the prefill's
+// RoPE and SwiGLU): checks tensors, plans, allocates the split-K scratch from the shapes (so it is CUDA-graph
+// safe: the caching allocator serves it under capture too) and launches on the current stream. The kernels
+// themselves are torch-free (paged_attention.h, decode_linear.h, elementwise.h).
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
@@ -13,6 +13,7 @@
 #include <string>
 
 #include "decode_linear.h"
+#include "elementwise.h"
 #include "paged_attention.h"
 
 namespace {
@@ -449,6 +450,75 @@ bool decode_qkv_rope_cache(at::Tensor out, const at::Tensor& input, const at::Te
   return launch_decode_linear(a, input);
 }
 
+// float16 and bfloat16 as tpkit_dtype codes; false for any other dtype (the element-wise kernels' two).
+bool to_16bit_dtype(at::ScalarType t, tpkit_dtype* dtype) {
+  if (t != at::kHalf && t != at::kBFloat16) return false;
+  *dtype = t == at::kHalf ? TPKIT_FLOAT16 : TPKIT_BFLOAT16;
+  return true;
+}
+
+// RoPE of input [num_tokens, num_heads, head_size] (any token and head strides, last dim contiguous) by cos,
+// sin [num_tokens, head_size / 2] into out (contiguous, input's shape); false where the kernel does not take
+// these tensors (elementwise.h).
+bool rotary(at::Tensor out, const at::Tensor& input, const at::Tensor& cos, const at::Tensor& sin) {
+  const at::Device device = input.device();
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{out, "out"}, {cos, "cos"}, {sin, "sin"}}) {
+    check_cuda("rotary", t, name, device);
+  }
+  TPKIT_CHECK_VALUE(input.dim() == 3 && out.sizes() == input.sizes() && out.scalar_type() == input.scalar_type(),
+                    "rotary (CUDA): out: expected ", input.scalar_type(), " ", input.sizes(), " (input's), got ",
+                    out.scalar_type(), " ", out.sizes());
+  const int64_t half = input.size(2) / 2;
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{cos, "cos"}, {sin, "sin"}}) {
+    TPKIT_CHECK_VALUE(t.dim() == 2 && t.size(0) == input.size(0) && t.size(1) == half &&
+                          t.scalar_type() == input.scalar_type(),
+                      "rotary (CUDA): ", name, ": expected ", input.scalar_type(), " [", input.size(0), ", ", half,
+                      "], got ", t.scalar_type(), " ", t.sizes());
+  }
+  if (!out.is_contiguous() || !cos.is_contiguous() || !sin.is_contiguous() || input.stride(2) != 1 ||
+      input.size(1) > INT32_MAX || input.size(2) > INT32_MAX) {
+    return false;
+  }
+  tpkit_rotary_args a{};
+  if (!to_16bit_dtype(input.scalar_type(), &a.dtype)) return false;
+  a.out = out.data_ptr();
+  a.input = input.data_ptr();
+  a.cos = cos.data_ptr();
+  a.sin = sin.data_ptr();
+  a.num_tokens = input.size(0);
+  a.num_heads = static_cast<int>(input.size(1));
+  a.head_size = static_cast<int>(input.size(2));
+  a.input_stride_token = input.stride(0);
+  a.input_stride_head = input.stride(1);
+  if (!tpkit_rotary_supported(&a)) return false;
+  const c10::cuda::CUDAGuard guard(device);
+  check_launch(tpkit_rotary_launch(&a, c10::cuda::getCurrentCUDAStream()), "rotary");
+  return true;
+}
+
+// out [num_rows, features] = silu(gate) * up of input [num_rows, 2 * features] (gate, then up; any row strides,
+// last dims contiguous); false where the kernel does not take these tensors (elementwise.h).
+bool silu_and_mul(at::Tensor out, const at::Tensor& input) {
+  check_cuda("silu_and_mul", out, "out", input.device());
+  TPKIT_CHECK_VALUE(input.dim() == 2 && input.size(1) % 2 == 0 && out.dim() == 2 && out.size(0) == input.size(0) &&
+                        out.size(1) == input.size(1) / 2 && out.scalar_type() == input.scalar_type(),
+                    "silu_and_mul (CUDA): out: expected ", input.scalar_type(), " [", input.size(0), ", ",
+                    input.size(1) / 2, "] for input ", input.sizes(), ", got ", out.scalar_type(), " ", out.sizes());
+  if (input.stride(1) != 1 || out.stride(1) != 1) return false;
+  tpkit_silu_and_mul_args a{};
+  if (!to_16bit_dtype(input.scalar_type(), &a.dtype)) return false;
+  a.out = out.data_ptr();
+  a.input = input.data_ptr();
+  a.num_rows = input.size(0);
+  a.features = out.size(1);
+  a.input_stride = input.stride(0);
+  a.out_stride = out.stride(0);
+  if (!tpkit_silu_and_mul_supported(&a)) return false;
+  const c10::cuda::CUDAGuard guard(input.device());
+  check_launch(tpkit_silu_and_mul_launch(&a, c10::cuda::getCurrentCUDAStream()), "silu_and_mul");
+  return true;
+}
+
 bool tpkit_paged_attention_supported_int(int dtype_code, int64_t head_size, int64_t block_size) {
   return dtype_code >= TPKIT_FLOAT16 && dtype_code <= TPKIT_FLOAT32 && head_size <= INT32_MAX &&
          block_size <= INT32_MAX &&
@@ -485,4 +555,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("cos"), py::arg("sin"),
         py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"), py::arg("num_heads"),
         py::arg("rms_sums") = py::none(), py::arg("eps") = 0.0);
+  m.def("rotary", &rotary,
+        "RoPE of input [num_tokens, num_heads, head_size] by cos, sin [num_tokens, head_size / 2] into out; False "
+        "where the kernel does not take these tensors.",
+        py::arg("out"), py::arg("input"), py::arg("cos"), py::arg("sin"));
+  m.def("silu_and_mul", &silu_and_mul,
+        "out = silu(gate) * up of input's halves [num_rows, 2 * features]; False where the kernel does not take "
+        "these tensors.",
+        py::arg("out"), py::arg("input"));
 }

@@ -1,0 +1,71 @@
+// The C entry points of the prefill's element-wise kernels (elementwise.h): support checks, grid sizes and
+// dtype dispatch. Torch-free.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+
+#include "elementwise.cuh"
+#include "launch_common.h"
+
+namespace {
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+bool is_16bit(tpkit_dtype dtype) { return dtype == TPKIT_FLOAT16 || dtype == TPKIT_BFLOAT16; }
+
+// Enough blocks to fill the device a few times over; the grid-stride loops take the rest.
+cudaError_t grid_for(int64_t vectors, int* blocks) {
+  int multiprocessors = 0;
+  const cudaError_t err = tpkit::current_device_attribute(cudaDevAttrMultiProcessorCount, &multiprocessors);
+  if (err != cudaSuccess) return err;
+  const int64_t needed = (vectors + tpkit::kElementwiseThreads - 1) / tpkit::kElementwiseThreads;
+  *blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(needed, 8LL * multiprocessors)));
+  return cudaSuccess;
+}
+
+template <typename Args>
+cudaError_t launch(void (*bf16)(Args), void (*fp16)(Args), const Args* a, int64_t vectors, cudaStream_t stream) {
+  if (vectors == 0) return cudaSuccess;
+  int blocks = 0;
+  const cudaError_t err = grid_for(vectors, &blocks);
+  if (err != cudaSuccess) return err;
+  (a->dtype == TPKIT_BFLOAT16 ? bf16 : fp16)<<<blocks, tpkit::kElementwiseThreads, 0, stream>>>(*a);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+extern "C" {
+
+int tpkit_rotary_supported(const tpkit_rotary_args* a) {
+  constexpr int kBytes = 2;
+  return is_16bit(a->dtype) && a->num_tokens >= 0 && a->num_heads > 0 && a->head_size > 0 &&
+                 a->head_size % 16 == 0 && a->out != nullptr && aligned16(a->out) && aligned16(a->input) &&
+                 aligned16(a->cos) && aligned16(a->sin) && (a->input_stride_token * kBytes) % 16 == 0 &&
+                 (a->input_stride_head * kBytes) % 16 == 0
+             ? 1
+             : 0;
+}
+
+int tpkit_silu_and_mul_supported(const tpkit_silu_and_mul_args* a) {
+  constexpr int kBytes = 2;
+  return is_16bit(a->dtype) && a->num_rows >= 0 && a->features > 0 && a->features % tpkit::kVector == 0 &&
+                 a->out != nullptr && aligned16(a->out) && aligned16(a->input) &&
+                 (a->input_stride * kBytes) % 16 == 0 && (a->out_stride * kBytes) % 16 == 0
+             ? 1
+             : 0;
+}
+
+cudaError_t tpkit_rotary_launch(const tpkit_rotary_args* a, cudaStream_t stream) {
+  if (!tpkit_rotary_supported(a)) return cudaErrorInvalidValue;
+  const int64_t vectors = a->num_tokens * a->num_heads * (a->head_size / 2 / tpkit::kVector);
+  return launch(tpkit::rotary_kernel<__nv_bfloat16>, tpkit::rotary_kernel<__half>, a, vectors, stream);
+}
+
+cudaError_t tpkit_silu_and_mul_launch(const tpkit_silu_and_mul_args* a, cudaStream_t stream) {
+  if (!tpkit_silu_and_mul_supported(a)) return cudaErrorInvalidValue;
+  const int64_t vectors = a->num_rows * (a->features / tpkit::kVector);
+  return launch(tpkit::silu_and_mul_kernel<__nv_bfloat16>, tpkit::silu_and_mul_kernel<__half>, a, vectors, stream);
+}
+
+}  // extern "C"
