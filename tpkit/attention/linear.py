@@ -28,11 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import register_flop_formula
 
-from tpkit.attention.ops import _FLOAT_DTYPES, _check_tensor, _define_op, reshape_and_cache
+from tpkit.attention.ops import _FLOAT_DTYPES, _HALF_DTYPES, _check_tensor, _define_op, reshape_and_cache
 from tpkit.attention.rotary import apply_rotary
 
 _MAX_ROWS = 16  # TPKIT_DECODE_LINEAR_MAX_ROWS of csrc/decode_linear.h
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _silu_and_mul_expression(gate_up: torch.Tensor) -> torch.Tensor:
@@ -66,7 +65,7 @@ def _silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``F.silu(gate) * up`` of ``gate_up``'s halves ``[..., 2 * features]`` -> ``[..., features]``; by the
     ``tpkit::silu_and_mul`` op on GPUs (float16, bfloat16) where no gradient is wanted (it has no backward),
     with the same values."""
-    if not (gate_up.is_cuda and gate_up.dtype in _KERNEL_DTYPES and gate_up.dim() >= 1
+    if not (gate_up.is_cuda and gate_up.dtype in _HALF_DTYPES and gate_up.dim() >= 1
             and not (torch.is_grad_enabled() and gate_up.requires_grad)):
         return _silu_and_mul_expression(gate_up)
     width = gate_up.shape[-1]
@@ -134,7 +133,7 @@ def _(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 def _kernel_may_take(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """What the shapes, dtypes and devices decide; the kernel's binding checks strides and alignment."""
-    if not (input.is_cuda and input.dtype in _KERNEL_DTYPES and weight.dim() == 2 and input.dim() >= 1):
+    if not (input.is_cuda and input.dtype in _HALF_DTYPES and weight.dim() == 2 and input.dim() >= 1):
         return False
     if weight.dtype != input.dtype or weight.device != input.device:
         return False
@@ -197,8 +196,9 @@ def decode_linear_silu_and_mul(input: torch.Tensor, weight: torch.Tensor, bias: 
     Returns:
         ``[..., features]``. Where :func:`decode_linear` would run the kernel and ``features`` is a
         multiple of 8, the kernel rounds gate and up to the dtype, then their product once (as a compiled
-        ``F.silu(gate) * up`` does); everywhere else this is that expression over ``F.linear``. Also a
-        ``linear_op`` for a gate/up layer whose caller wants the activated half (``LlamaMLP``).
+        ``F.silu(gate) * up`` does); everywhere else this is that expression over ``F.linear`` (on GPUs,
+        without a gradient, as one kernel with the expression's values: ``torch.ops.tpkit.silu_and_mul``).
+        Also a ``linear_op`` for a gate/up layer whose caller wants the activated half (``LlamaMLP``).
     """
     if weight.dim() != 2 or weight.shape[0] % 2 != 0:
         raise ValueError(f"decode_linear_silu_and_mul: weight: expected [2 * features, in_features] (gate "

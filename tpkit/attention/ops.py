@@ -20,6 +20,7 @@ import torch
 from tpkit.attention.reference import paged_attention_reference, reshape_and_cache_reference
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_HALF_DTYPES = (torch.float16, torch.bfloat16)  # what the decode linear and element-wise kernels take
 
 
 def _debug_enabled() -> bool:

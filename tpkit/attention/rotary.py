@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from tpkit.attention.ops import _FLOAT_DTYPES, _check_tensor, _define_op
-
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+from tpkit.attention.ops import _FLOAT_DTYPES, _HALF_DTYPES, _check_tensor, _define_op
 
 
 def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -51,7 +49,7 @@ _define_op("rotary", "(Tensor(a!) out, Tensor input, Tensor cos, Tensor sin) -> 
 def _kernel_may_take(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """GPU tensors of a kernel dtype, cos and sin one row a token (no broadcasting), and no gradient wanted
     (the op has no backward)."""
-    if not (x.is_cuda and x.dtype in _KERNEL_DTYPES and x.dim() == 4 and x.shape[-1] % 16 == 0):
+    if not (x.is_cuda and x.dtype in _HALF_DTYPES and x.dim() == 4 and x.shape[-1] % 16 == 0):
         return False
     table_shape = (*x.shape[:2], 1, x.shape[-1] // 2)
     if any(t.shape != table_shape or t.dtype != x.dtype or t.device != x.device for t in (cos, sin)):
