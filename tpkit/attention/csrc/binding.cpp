@@ -461,6 +461,7 @@ bool to_16bit_dtype(at::ScalarType t, tpkit_dtype* dtype) {
 // sin [num_tokens, head_size / 2] into out (contiguous, input's shape); false where the kernel does not take
 // these tensors (elementwise.h).
 bool rotary(at::Tensor out, const at::Tensor& input, const at::Tensor& cos, const at::Tensor& sin) {
+  TPKIT_CHECK_VALUE(input.is_cuda(), "rotary (CUDA): input: expected a CUDA tensor, got ", input.device());
   const at::Device device = input.device();
   for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{out, "out"}, {cos, "cos"}, {sin, "sin"}}) {
     check_cuda("rotary", t, name, device);
@@ -499,6 +500,7 @@ bool rotary(at::Tensor out, const at::Tensor& input, const at::Tensor& cos, cons
 // out [num_rows, features] = silu(gate) * up of input [num_rows, 2 * features] (gate, then up; any row strides,
 // last dims contiguous); false where the kernel does not take these tensors (elementwise.h).
 bool silu_and_mul(at::Tensor out, const at::Tensor& input) {
+  TPKIT_CHECK_VALUE(input.is_cuda(), "silu_and_mul (CUDA): input: expected a CUDA tensor, got ", input.device());
   check_cuda("silu_and_mul", out, "out", input.device());
   TPKIT_CHECK_VALUE(input.dim() == 2 && input.size(1) % 2 == 0 && out.dim() == 2 && out.size(0) == input.size(0) &&
                         out.size(1) == input.size(1) / 2 && out.scalar_type() == input.scalar_type(),

@@ -60,7 +60,6 @@ cudaError_t launch_dtype(const tpkit_decode_linear_args* a, int splits, cudaStre
   }
 }
 
-bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 }  // namespace
 
@@ -73,7 +72,7 @@ int tpkit_decode_linear_supported(const tpkit_decode_linear_args* a) {
                         a->in_features % tpkit::kLinearStep == 0 && a->out_features > 0 &&
                         a->out_features % features_multiple == 0;
   // 16-byte loads of every input and weight row (2-byte elements: strides in multiples of 8).
-  const bool aligned = aligned16(a->input) && aligned16(a->weight) && a->input_stride % 8 == 0;
+  const bool aligned = tpkit::aligned16(a->input) && tpkit::aligned16(a->weight) && a->input_stride % 8 == 0;
   const bool splits_ok = a->splits == 0 || a->splits == 1 || a->splits == 2 || a->splits == 4 || a->splits == 8;
   const int hs = a->head_size;
   const bool rotary_ok =

@@ -10,7 +10,6 @@
 
 namespace {
 
-bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 bool is_16bit(tpkit_dtype dtype) { return dtype == TPKIT_FLOAT16 || dtype == TPKIT_BFLOAT16; }
 
 // Enough blocks to fill the device a few times over; the grid-stride loops take the rest.
@@ -39,21 +38,21 @@ extern "C" {
 
 int tpkit_rotary_supported(const tpkit_rotary_args* a) {
   constexpr int kBytes = 2;
-  return is_16bit(a->dtype) && a->num_tokens >= 0 && a->num_heads > 0 && a->head_size > 0 &&
-                 a->head_size % 16 == 0 && a->out != nullptr && aligned16(a->out) && aligned16(a->input) &&
-                 aligned16(a->cos) && aligned16(a->sin) && (a->input_stride_token * kBytes) % 16 == 0 &&
-                 (a->input_stride_head * kBytes) % 16 == 0
-             ? 1
-             : 0;
+  using tpkit::aligned16;
+  const bool shape_ok = a->num_tokens >= 0 && a->num_heads > 0 && a->head_size > 0 && a->head_size % 16 == 0;
+  const bool aligned = a->out != nullptr && aligned16(a->out) && aligned16(a->input) && aligned16(a->cos) &&
+                       aligned16(a->sin) && (a->input_stride_token * kBytes) % 16 == 0 &&
+                       (a->input_stride_head * kBytes) % 16 == 0;
+  return is_16bit(a->dtype) && shape_ok && aligned ? 1 : 0;
 }
 
 int tpkit_silu_and_mul_supported(const tpkit_silu_and_mul_args* a) {
   constexpr int kBytes = 2;
-  return is_16bit(a->dtype) && a->num_rows >= 0 && a->features > 0 && a->features % tpkit::kVector == 0 &&
-                 a->out != nullptr && aligned16(a->out) && aligned16(a->input) &&
-                 (a->input_stride * kBytes) % 16 == 0 && (a->out_stride * kBytes) % 16 == 0
-             ? 1
-             : 0;
+  using tpkit::aligned16;
+  const bool shape_ok = a->num_rows >= 0 && a->features > 0 && a->features % tpkit::kVector == 0;
+  const bool aligned = a->out != nullptr && aligned16(a->out) && aligned16(a->input) &&
+                       (a->input_stride * kBytes) % 16 == 0 && (a->out_stride * kBytes) % 16 == 0;
+  return is_16bit(a->dtype) && shape_ok && aligned ? 1 : 0;
 }
 
 cudaError_t tpkit_rotary_launch(const tpkit_rotary_args* a, cudaStream_t stream) {

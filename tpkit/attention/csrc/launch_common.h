@@ -22,6 +22,9 @@ inline cudaLaunchAttribute cluster_dimension(int cluster_size) {
   return attr;
 }
 
+// Whether `ptr` allows 16-byte vector loads and stores.
+inline bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
 // An attribute of the current device (multiprocessor count, compute capability), queried once per device.
 cudaError_t current_device_attribute(cudaDeviceAttr attr, int* value);
 
