@@ -19,8 +19,7 @@ stream. Where layerdrop is 0 the draw decides nothing, so the reference then tak
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -59,19 +58,13 @@ def _inputs(kind: str, vocab_size: int) -> dict[str, torch.Tensor]:
     return {"input_ids": random_token_ids(vocab_size, (2, 13), seed=5)[0]}
 
 
-@contextlib.contextmanager
-def _layer_drop_draws_undrawn() -> Iterator[None]:
-    """``torch.rand([])``, a layer-drop draw, gives 1 (keep the layer) without using the generator."""
-    rand = torch.rand
-
+def _undrawn_layer_drop(rand: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``rand`` where ``torch.rand([])``, a layer-drop draw, gives 1 (keep the layer) without using the
+    generator."""
     def undrawn(*size, **kwargs):
         return torch.ones([]) if size in ((), ([],)) and not kwargs else rand(*size, **kwargs)
 
-    torch.rand = undrawn
-    try:
-        yield
-    finally:
-        torch.rand = rand
+    return undrawn
 
 
 def _checkpoint(tmp_path_factory, kind: str, dropouts: dict[str, float]) -> tuple[str, dict, dict]:
@@ -81,12 +74,13 @@ def _checkpoint(tmp_path_factory, kind: str, dropouts: dict[str, float]) -> tupl
     hf_model = MAKERS[kind](path, **dropouts)
     inputs = _inputs(kind, hf_model.config.vocab_size)
     layer_drop = any(p > 0.0 for name, p in dropouts.items() if name.endswith("layerdrop"))
-    with torch.no_grad():
+    with torch.no_grad(), pytest.MonkeyPatch.context() as patch:
         eval_logits = hf_model(**inputs).logits
         hf_model.train()
         torch.manual_seed(SEED)
-        with contextlib.nullcontext() if layer_drop else _layer_drop_draws_undrawn():
-            train_logits = hf_model(**inputs).logits
+        if not layer_drop:
+            patch.setattr(torch, "rand", _undrawn_layer_drop(torch.rand))
+        train_logits = hf_model(**inputs).logits
     hf_model.eval()
     return str(path), inputs, {"train": train_logits, "eval": eval_logits}
 
