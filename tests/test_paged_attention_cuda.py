@@ -158,6 +158,31 @@ def test_paged_attention_wgmma(dtype: torch.dtype, group_size: int, num_kv_heads
     _check_attention(dtype, 128, 16, num_heads, num_kv_heads, seq_lens, alibi=True, seed=group_size)
 
 
+def _takes_warpgroup_kernel(group_size: int, table_tokens: int) -> bool:
+    """Whether head 128 in fp16/bf16 runs the warpgroup kernel: on compute 9.0, for groups of more than 32
+    query heads, and for groups of up to 16 whose block tables hold 2048 tokens or more (32 tiles)."""
+    return torch.cuda.get_device_capability() == (9, 0) and (
+        group_size > 32 or (group_size <= 16 and table_tokens >= 2048))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("group_size", "num_kv_heads", "max_len"),
+                         [(1, 4, 2100), (4, 2, 2100), (8, 2, 5000), (16, 1, 2100), (4, 2, 1900),
+                          (24, 1, 2100)])
+def test_paged_attention_small_groups_long_tables(dtype: torch.dtype, group_size: int, num_kv_heads: int,
+                                                  max_len: int) -> None:
+    """Head 128, groups of up to 16 query heads, block tables of 2048 tokens or more: on compute 9.0 the
+    warpgroup kernel (the group's rows padded to 64), which streams long blocks faster than the mma kernel;
+    tables of fewer tokens, and groups of 17 to 32, keep the mma kernel. Against the CPU op, with ALiBi and
+    lengths that end mid-tile, split and leave later partitions empty."""
+    seq_lens = [0, 1, 63, 65, 700, max_len - 1, max_len]
+    num_heads = group_size * num_kv_heads
+    plan = _plan(dtype, 128, 16, num_heads, num_kv_heads, seq_lens)
+    table_tokens = (max(math.ceil(n / 16) for n in seq_lens) + 1) * 16
+    assert plan["wgmma"] == _takes_warpgroup_kernel(group_size, table_tokens), plan
+    _check_attention(dtype, 128, 16, num_heads, num_kv_heads, seq_lens, alibi=True, seed=group_size + max_len)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("key_growth", [0.3, 3.0])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 2), (48, 1)])
@@ -165,9 +190,9 @@ def test_paged_attention_growing_scores(dtype: torch.dtype, key_growth: float, n
                                         num_kv_heads: int) -> None:
     """Scores that grow along the sequence push each row's running max up tile after tile (by a few units of
     log2 with 0.3, by tens with 3.0), so the output is rescaled at many tiles, on the path that takes the
-    max of unscaled scores (no ALiBi, no masked column) and at the masked ends; the mma kernel (group 4)
-    and, on compute 9.0, the warpgroup kernel (48)."""
-    _check_attention(dtype, 128, 16, num_heads, num_kv_heads, [1, 65, 700, 2100], alibi=False, seed=7,
+    max of unscaled scores (no ALiBi, no masked column) and at the masked ends; the mma kernel (group 4:
+    a table of fewer than 2048 tokens) and, on compute 9.0, the warpgroup kernel (48)."""
+    _check_attention(dtype, 128, 16, num_heads, num_kv_heads, [1, 65, 700, 1900], alibi=False, seed=7,
                      key_growth=key_growth)
 
 
@@ -185,9 +210,11 @@ def test_paged_attention_layouts(num_seqs: int, head_size: int, swizzled: int) -
     _check_attention(torch.bfloat16, head_size, 16, 32, 8, seq_lens, alibi=False, seed=head_size + num_seqs)
 
 
-def test_paged_attention_long_context() -> None:
-    """One 128k-token sequence (split across many partitions) beside a short one."""
-    _check_attention(torch.bfloat16, 128, 32, 8, 1, [131072 + 37, 3], alibi=True, seed=5)
+@pytest.mark.parametrize("head_size", [128, 64])
+def test_paged_attention_long_context(head_size: int) -> None:
+    """One 128k-token sequence (split across many partitions) beside a short one: head 128 takes the
+    warpgroup kernel on compute 9.0, head 64 the mma kernel's deepest pipeline."""
+    _check_attention(torch.bfloat16, head_size, 32, 8, 1, [131072 + 37, 3], alibi=True, seed=5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
@@ -289,7 +316,7 @@ def test_paged_attention_cache_views(layout: str, dtype: torch.dtype, num_heads:
     key_cache, value_cache = (as_cache(store.to(dev, dtype)) for store in stores)
     assert not key_cache.is_contiguous()
     query_d, block_tables_d = query.to(dev, dtype), block_tables.to(dev)
-    warpgroup_kernel = num_heads // num_kv_heads > 32 and torch.cuda.get_device_capability() == (9, 0)
+    warpgroup_kernel = _takes_warpgroup_kernel(num_heads // num_kv_heads, block_tables.shape[1] * block_size)
     assert _cuda.launch_plan(query_d, key_cache, block_tables_d)["wgmma"] == warpgroup_kernel
     out = torch.full((num_seqs, num_heads, head_size), float("nan"), dtype=dtype, device=dev)
     assert _cuda.paged_attention(out, query_d, key_cache, value_cache, block_tables_d, lens.to(dev),
