@@ -158,28 +158,28 @@ def test_paged_attention_wgmma(dtype: torch.dtype, group_size: int, num_kv_heads
     _check_attention(dtype, 128, 16, num_heads, num_kv_heads, seq_lens, alibi=True, seed=group_size)
 
 
-def _takes_warpgroup_kernel(group_size: int, table_tokens: int) -> bool:
-    """Whether head 128 in fp16/bf16 runs the warpgroup kernel: on compute 9.0, for groups of more than 32
-    query heads, and for groups of up to 16 whose block tables hold 2048 tokens or more (32 tiles)."""
-    return torch.cuda.get_device_capability() == (9, 0) and (
-        group_size > 32 or (group_size <= 16 and table_tokens >= 2048))
+def _takes_warpgroup_kernel(dtype: torch.dtype, group_size: int, table_tokens: int) -> bool:
+    """Whether head 128 runs the warpgroup kernel: in fp16/bf16 on compute 9.0, for groups of more than 32
+    query heads, and for every group on block tables of 2048 tokens or more (32 tiles)."""
+    return dtype != torch.float32 and torch.cuda.get_device_capability() == (9, 0) and (
+        group_size > 32 or table_tokens >= 2048)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize(("group_size", "num_kv_heads", "max_len"),
-                         [(1, 4, 2100), (4, 2, 2100), (8, 2, 5000), (16, 1, 2100), (4, 2, 1900),
-                          (24, 1, 2100)])
+                         [(1, 4, 2100), (4, 2, 2100), (8, 2, 5000), (16, 1, 2100), (24, 1, 2100),
+                          (32, 1, 2100), (4, 2, 1900), (32, 1, 1900)])
 def test_paged_attention_small_groups_long_tables(dtype: torch.dtype, group_size: int, num_kv_heads: int,
                                                   max_len: int) -> None:
-    """Head 128, groups of up to 16 query heads, block tables of 2048 tokens or more: on compute 9.0 the
+    """Head 128, groups of up to 32 query heads, block tables of 2048 tokens or more: on compute 9.0 the
     warpgroup kernel (the group's rows padded to 64), which streams long blocks faster than the mma kernel;
-    tables of fewer tokens, and groups of 17 to 32, keep the mma kernel. Against the CPU op, with ALiBi and
-    lengths that end mid-tile, split and leave later partitions empty."""
+    tables of fewer tokens keep the mma kernel. Against the CPU op, with ALiBi and lengths that end mid-tile,
+    split and leave later partitions empty."""
     seq_lens = [0, 1, 63, 65, 700, max_len - 1, max_len]
     num_heads = group_size * num_kv_heads
     plan = _plan(dtype, 128, 16, num_heads, num_kv_heads, seq_lens)
     table_tokens = (max(math.ceil(n / 16) for n in seq_lens) + 1) * 16
-    assert plan["wgmma"] == _takes_warpgroup_kernel(group_size, table_tokens), plan
+    assert plan["wgmma"] == _takes_warpgroup_kernel(dtype, group_size, table_tokens), plan
     _check_attention(dtype, 128, 16, num_heads, num_kv_heads, seq_lens, alibi=True, seed=group_size + max_len)
 
 
@@ -316,7 +316,8 @@ def test_paged_attention_cache_views(layout: str, dtype: torch.dtype, num_heads:
     key_cache, value_cache = (as_cache(store.to(dev, dtype)) for store in stores)
     assert not key_cache.is_contiguous()
     query_d, block_tables_d = query.to(dev, dtype), block_tables.to(dev)
-    warpgroup_kernel = _takes_warpgroup_kernel(num_heads // num_kv_heads, block_tables.shape[1] * block_size)
+    warpgroup_kernel = _takes_warpgroup_kernel(dtype, num_heads // num_kv_heads,
+                                               block_tables.shape[1] * block_size)
     assert _cuda.launch_plan(query_d, key_cache, block_tables_d)["wgmma"] == warpgroup_kernel
     out = torch.full((num_seqs, num_heads, head_size), float("nan"), dtype=dtype, device=dev)
     assert _cuda.paged_attention(out, query_d, key_cache, value_cache, block_tables_d, lens.to(dev),

@@ -241,20 +241,20 @@ cudaError_t plan_wgmma(tpkit_paged_attention_args* a) {
 
 template <typename T, int HEAD>
 cudaError_t plan_mma(tpkit_paged_attention_args* a) {
-  // Query rows in 16-row mma tiles; a thread block takes up to 8 tiles (128 heads of one KV head).
-  const int row_tiles = ceil_div(a->group_size, 16);
-  // Long blocks of small groups: one row tile, >= 32 tiles a sequence.
+  // Block tables of 32 tiles or more: long blocks, unless the context is split.
   const int64_t capacity = static_cast<int64_t>(a->max_blocks_per_seq) * a->block_size;
-  const bool long_small_group = row_tiles == 1 && capacity >= 32 * kTileTokens;
-  // Groups of more than 32 query heads (the two-slice configurations of the mma kernel), and long blocks of
-  // groups of up to 16, take the warpgroup kernel where it is built and runs: its 64 rows are mostly padding
-  // there, but its loop streams faster. (Measured on the H200, groups of 4: C4 69.8 -> 66.7 us, C1 249.3 ->
-  // 244.7; C5's blocks of 8 tiles 130.8 -> 137.7, so short blocks stay.)
+  const bool long_tables = capacity >= 32 * kTileTokens;
+  // Groups of more than 32 query heads (the two-slice configurations of the mma kernel), and every group on
+  // long tables, take the warpgroup kernel where it is built and runs: its rows beyond the group are padding,
+  // but its loop streams faster. (Measured on the H200 against the mma kernel, us: C1 255.6 -> 250.0, C4
+  // 71.5 -> 68.4, 8 x 8192 tokens with groups of 1 / 8 / 16 / 24 / 32: 134.1 -> 129.0 / 72.1 -> 67.5 /
+  // 17.2 -> 15.0 / 19.9 -> 15.1 / 20.2 -> 15.3. In another call C5's blocks of 8 tiles ran 130.8 -> 137.7,
+  // so short tables stay.)
   if constexpr (HEAD == kWgmmaHead) {
     bool available = false;
     const cudaError_t err = wgmma_available(&available);
     if (err != cudaSuccess) return err;
-    if (available && (a->group_size > 32 || long_small_group)) return plan_wgmma<T>(a);
+    if (available && (a->group_size > 32 || long_tables)) return plan_wgmma<T>(a);
   }
   a->wgmma = 0;
   a->warpgroups = 1;
@@ -263,6 +263,8 @@ cudaError_t plan_mma(tpkit_paged_attention_args* a) {
   int num_sms = 0;
   cudaError_t err = current_device_attribute(cudaDevAttrMultiProcessorCount, &num_sms);
   if (err != cudaSuccess) return err;
+  // Query rows in 16-row mma tiles; a thread block takes up to 8 tiles (128 heads of one KV head).
+  const int row_tiles = ceil_div(a->group_size, 16);
   const int m_groups = ceil_div(row_tiles, 8);
   const int warps_m = ceil_div(row_tiles, m_groups);
   const int warps_n = warps_m <= 2 ? 4 : (warps_m <= 4 ? 2 : 1);
@@ -273,8 +275,8 @@ cudaError_t plan_mma(tpkit_paged_attention_args* a) {
   auto block_bytes = [&](int row_bytes, int stages) {
     return rows * row_bytes + std::max(stages * 2 * kTileTokens * row_bytes, epilogue_bytes);
   };
-  // Long blocks of small groups take the deepest pipeline.
-  const bool prefer_depth = long_small_group;
+  // Long blocks of small groups (one row tile) take the deepest pipeline.
+  const bool prefer_depth = warps_m == 1 && long_tables;
   // Two slices a step where a warp's share of a tile holds them (large groups: warps_n <= 2) and Q is not
   // held in registers. (Measured on the H200, C6: 63.5 -> 59.9 us, C3: 16.5 -> 16.0 us.)
   const int slices = !Padded::kQueryInRegisters && (kTileTokens / warps_n) % 32 == 0 ? 2 : 1;

@@ -1,5 +1,6 @@
-// Decode attention on Hopper's warpgroup products (wgmma, sm_90a), for large groups: more than 32 query
-// heads a KV head, head size 128, fp16/bf16. Torch-free.
+// Decode attention on Hopper's warpgroup products (wgmma, sm_90a), head size 128, fp16/bf16: for groups of
+// more than 32 query heads a KV head, and for every group on block tables of 32 tiles or more (a smaller
+// group's rows are padded to 64; the loop still streams faster than the mma kernel's). Torch-free.
 //
 // One warpgroup (4 warps) a thread block serves up to 64 query heads of one KV head as the 64 rows of
 // S = Q K^T (m64n64k16: Q and K from shared memory) and O += P V (m64n128k16: P from registers, V from
