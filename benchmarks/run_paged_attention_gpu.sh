@@ -13,8 +13,8 @@ T=tests/test_paged_attention_cuda.py
 L=tests/test_decode_linear_cuda.py
 # Small, varied cases for memcheck: head 120 (k-step padding), MQA 48:1 + ALiBi, fp32, head 256,
 # many sequences (no split), the cluster merge (Hopper: mma and warpgroup kernels), two-slice steps,
-# swizzled rows with pad chunks, the warpgroup kernel (two warpgroups a block, in a small grid and for C6),
-# a strided cache, strided query, cache writes.
+# swizzled rows with pad chunks, the warpgroup kernel (two warpgroups a block, in a small grid and for C6;
+# small groups on long tables), a strided cache, strided query, cache writes.
 SANITIZE_CASES=("$T::test_paged_attention_grid[float16-120-32-4-True]"
                 "$T::test_paged_attention_grid[bfloat16-128-16-48-True]"
                 "$T::test_paged_attention_grid[float32-80-32-8-False]"
@@ -25,6 +25,8 @@ SANITIZE_CASES=("$T::test_paged_attention_grid[float16-120-32-4-True]"
                 "$T::test_paged_attention_two_slice_steps[120-40-2]"
                 "$T::test_paged_attention_layouts[6-120-1]"
                 "$T::test_paged_attention_wgmma[48-1-torch.bfloat16]"
+                "$T::test_paged_attention_small_groups_long_tables[4-2-2100-torch.bfloat16]"
+                "$T::test_paged_attention_small_groups_long_tables[24-1-2100-torch.float16]"
                 "$T::test_paged_attention_small_grid_two_warpgroups"
                 "$T::test_paged_attention_warpgroup_plans[64-4096-2-2-1-True]"
                 "$T::test_paged_attention_cache_views[sequence_major-bfloat16-96-2]"
