@@ -247,9 +247,9 @@ cudaError_t plan_mma(tpkit_paged_attention_args* a) {
   // Groups of more than 32 query heads (the two-slice configurations of the mma kernel), and every group on
   // long tables, take the warpgroup kernel where it is built and runs: its rows beyond the group are padding,
   // but its loop streams faster. (Measured on the H200 against the mma kernel, us: C1 255.6 -> 250.0, C4
-  // 71.5 -> 68.4, 8 x 8192 tokens with groups of 1 / 8 / 16 / 24 / 32: 134.1 -> 129.0 / 72.1 -> 67.5 /
-  // 17.2 -> 15.0 / 19.9 -> 15.1 / 20.2 -> 15.3. In another call C5's blocks of 8 tiles ran 130.8 -> 137.7,
-  // so short tables stay.)
+  // 71.5 -> 68.4; 8 x 8192 tokens with groups of 8 / 16 / 24 / 32: 72.1 -> 67.5 / 17.2 -> 15.0 / 19.9 ->
+  // 15.1 / 20.2 -> 15.3; 4 x 8192 of MHA 134.1 -> 129.0. In another call C5's blocks of 8 tiles ran 130.8 ->
+  // 137.7, so short tables stay.)
   if constexpr (HEAD == kWgmmaHead) {
     bool available = false;
     const cudaError_t err = wgmma_available(&available);
