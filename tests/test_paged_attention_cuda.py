@@ -32,6 +32,11 @@ def _alibi_slopes(num_heads: int) -> torch.Tensor:
     return torch.tensor([2.0 ** (-8.0 * (i + 1) / num_heads) for i in range(num_heads)], dtype=torch.float32)
 
 
+def _table_width(seq_lens: list[int], block_size: int) -> int:
+    """Entries of the block tables _make_paged builds: every sequence's pages and one more."""
+    return max(math.ceil(n / block_size) for n in seq_lens) + 1
+
+
 def _make_paged(seq_lens: list[int], num_kv_heads: int, head_size: int, block_size: int, *, extra_blocks: int,
                 generator: torch.Generator, key_growth: float = 0.0
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -41,7 +46,7 @@ def _make_paged(seq_lens: list[int], num_kv_heads: int, head_size: int, block_si
     key of position pos is scaled by 1 + key_growth * pos / 64, so scores grow along the sequence."""
     pages_per_seq = [math.ceil(n / block_size) for n in seq_lens]
     num_blocks = sum(pages_per_seq) + extra_blocks
-    width = max(pages_per_seq) + 1
+    width = _table_width(seq_lens, block_size)
     perm = torch.randperm(num_blocks, generator=generator).to(torch.int32)
     block_tables = torch.randint(0, num_blocks, (len(seq_lens), width), generator=generator,
                                  dtype=torch.int32)
@@ -92,7 +97,7 @@ def _plan(dtype: torch.dtype, head_size: int, block_size: int, num_heads: int, n
     """The CUDA launch plan of the call _check_attention makes with the same arguments (the plan depends on
     the shapes alone: block tables as wide as _make_paged builds them)."""
     dev = torch.device("cuda")
-    width = max(math.ceil(n / block_size) for n in seq_lens) + 1
+    width = _table_width(seq_lens, block_size)
     return _cuda.launch_plan(torch.empty(len(seq_lens), num_heads, head_size, dtype=dtype, device=dev),
                              torch.empty(4, block_size, num_kv_heads, head_size, dtype=dtype, device=dev),
                              torch.zeros(len(seq_lens), width, dtype=torch.int32, device=dev))
@@ -178,8 +183,7 @@ def test_paged_attention_small_groups_long_tables(dtype: torch.dtype, group_size
     seq_lens = [0, 1, 63, 65, 700, max_len - 1, max_len]
     num_heads = group_size * num_kv_heads
     plan = _plan(dtype, 128, 16, num_heads, num_kv_heads, seq_lens)
-    table_tokens = (max(math.ceil(n / 16) for n in seq_lens) + 1) * 16
-    assert plan["wgmma"] == _takes_warpgroup_kernel(dtype, group_size, table_tokens), plan
+    assert plan["wgmma"] == _takes_warpgroup_kernel(dtype, group_size, _table_width(seq_lens, 16) * 16), plan
     _check_attention(dtype, 128, 16, num_heads, num_kv_heads, seq_lens, alibi=True, seed=group_size + max_len)
 
 
