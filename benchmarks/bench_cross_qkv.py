@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from bench_linear import device_parser, device_setup, summarise, time_graphed, time_interleaved
 from torch.utils.flop_counter import FlopCounterMode
 
-from tpkit.attention import decode_linear
+from tpkit.ops import decode_linear
 from tpkit.parallel_layers import LinearOp, QKVCrossParallelLinear, QKVParallelLinear, TPGroup, set_linear_op
 
 LINEAR_OPS: dict[str, LinearOp] = {"decode": decode_linear, "F.linear": F.linear}

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from bench_latency import LLAMA3_8B
 from bench_paged_attention import _copy_bandwidth_gbps, _graph_time_us
 
-from tpkit.attention import _cuda, decode_linear
+from tpkit.ops import _extension, decode_linear
 
 TOUCHED_BYTES = 700_000_000  # weight bytes each graph streams: over 10x the L2
 REPLAYS = 20
@@ -69,8 +69,8 @@ def _time_us(x: torch.Tensor, weights: list[torch.Tensor], blas: str) -> float:
 
 
 def _kernel_time_us(call: Callable[[torch.Tensor], bool], weights: list[torch.Tensor], what: str) -> float:
-    """``call(weight)`` (a ``_cuda`` kernel call, False where the kernel does not take the tensors) timed over
-    every weight copy; exits when the kernel does not take the first."""
+    """``call(weight)`` (a ``_extension`` kernel call, False where the kernel does not take the tensors) timed
+    over every weight copy; exits when the kernel does not take the first."""
     if not call(weights[0]):
         raise SystemExit(f"bench_decode_gemm.py: the decode linear kernel does not take {what} here")
     return _graph_time_us([lambda w=w: call(w) for w in weights], REPLAYS)
@@ -79,7 +79,7 @@ def _kernel_time_us(call: Callable[[torch.Tensor], bool], weights: list[torch.Te
 def _tpkit_time_us(x: torch.Tensor, weights: list[torch.Tensor], splits: int) -> float:
     """decode_linear's kernel with this split of in_features (0: the planned one, what the layers run)."""
     out = x.new_empty(x.shape[0], weights[0].shape[0])
-    return _kernel_time_us(lambda w: _cuda.decode_linear(out, x, w, None, splits), weights,
+    return _kernel_time_us(lambda w: _extension.decode_linear(out, x, w, None, splits), weights,
                            f"these products (splits {splits})")
 
 
@@ -87,7 +87,7 @@ def _swiglu_times_us(x: torch.Tensor, weights: list[torch.Tensor]) -> dict[str, 
     """gate_up_proj with SwiGLU: in the kernel's epilogue, and the plain kernel then a compiled SwiGLU."""
     features = weights[0].shape[0] // 2
     fused_out = x.new_empty(x.shape[0], features)
-    fused_us = _kernel_time_us(lambda w: _cuda.decode_linear(fused_out, x, w, None, 0, True), weights,
+    fused_us = _kernel_time_us(lambda w: _extension.decode_linear(fused_out, x, w, None, 0, True), weights,
                                "SwiGLU")
     # fused_out now holds the last copy's product.
     gate, up = F.linear(x.float(), weights[-1].float()).to(x.dtype).float().chunk(2, dim=-1)
@@ -97,7 +97,7 @@ def _swiglu_times_us(x: torch.Tensor, weights: list[torch.Tensor]) -> dict[str, 
     swiglu(out)  # compiled before the graph captures it
 
     def plain_then_swiglu(w: torch.Tensor) -> torch.Tensor:
-        _cuda.decode_linear(out, x, w, None, 0)
+        _extension.decode_linear(out, x, w, None, 0)
         return swiglu(out)
 
     unfused = [lambda w=w: plain_then_swiglu(w) for w in weights]
@@ -119,7 +119,7 @@ def _rope_cache_time_us(x: torch.Tensor, weights: list[torch.Tensor], config: di
     slots = torch.randperm(64 * 16, device="cuda")[:batch]
     out = x.new_empty(batch, weights[0].shape[0])
     args = (cos, sin, caches[0], caches[1], slots, num_heads, rms_sums, 1e-5)
-    return _kernel_time_us(lambda w: _cuda.decode_qkv_rope_cache(out, x, w, None, *args), weights,
+    return _kernel_time_us(lambda w: _extension.decode_qkv_rope_cache(out, x, w, None, *args), weights,
                            "RoPE and the cache write")
 
 
@@ -139,7 +139,7 @@ def _step_time_us(name: str, x: torch.Tensor, weights: list[torch.Tensor]) -> fl
         sums = _rms_sums(x)
 
         def swiglu_scaled(w: torch.Tensor) -> bool:
-            return _cuda.decode_linear(out, x, w, None, silu_and_mul=True, rms_sums=sums, eps=1e-5)
+            return _extension.decode_linear(out, x, w, None, silu_and_mul=True, rms_sums=sums, eps=1e-5)
 
         return _kernel_time_us(swiglu_scaled, weights, "SwiGLU and the norm's scale")
     out = x.new_empty(x.shape[0], weights[0].shape[0])
@@ -147,7 +147,7 @@ def _step_time_us(name: str, x: torch.Tensor, weights: list[torch.Tensor]) -> fl
     norm_weight = torch.ones(out.shape[1], device=x.device, dtype=x.dtype)
     sums = torch.zeros(x.shape[0], device=x.device, dtype=torch.float64)
     zero_sums = torch.zeros_like(sums)
-    return _kernel_time_us(lambda w: _cuda.decode_linear_residual_norm(out, normed, x, w, None, residual,
+    return _kernel_time_us(lambda w: _extension.decode_linear_residual_norm(out, normed, x, w, None, residual,
                                                                        norm_weight, sums, zero_sums),
                            weights, "the residual add and the norm's first half")
 

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from tpkit.attention import _cuda, paged_attention
+from tpkit.ops import _extension, paged_attention
 
 HEAD_SIZE = 128
 BLOCK_SIZE = 16
@@ -333,7 +333,7 @@ def _bench_config(cfg: Config, args: argparse.Namespace, flex: _Flex | None, row
             except Exception as exc:  # inductor/triton failures vary; report and go on
                 print(f"  {cfg.name} flex-paged: skipped ({_first_line(exc)})")
             flex.budget_s -= time.perf_counter() - t0
-    plan = _cuda.launch_plan(sets[0].query, sets[0].key_cache, sets[0].block_tables)
+    plan = _extension.launch_plan(sets[0].query, sets[0].key_cache, sets[0].block_tables)
     print(f"  {cfg.name} tpkit plan: {plan}")
     del sets
     torch.cuda.empty_cache()

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-BUILD = "import torch; from tpkit.attention import _cuda; _cuda.build(torch.cuda.get_device_capability())"
+BUILD = "import torch; from tpkit.ops import _extension; _extension.build(torch.cuda.get_device_capability())"
 
 
 def _parse_tree(text: str) -> tuple[str, Path]:

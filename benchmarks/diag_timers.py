@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_paged_attention as bench  # noqa: E402
 
-from tpkit.attention import _cuda, paged_attention  # noqa: E402
+from tpkit.ops import _extension, paged_attention  # noqa: E402
 
 TIMER_WORDS = 12
 MERGE_OFFSET = 1 << 20  # words; the merge kernel's slots, 4 words each
@@ -81,7 +81,7 @@ def _run(cfg: bench.Config) -> None:
 
     # Each replay writes every slot again, so the buffers hold the last replay's stamps.
     t_us = bench._graph_time_us([lambda i=i: call(i) for i in range(len(sets))], replays=15)
-    plan = _cuda.launch_plan(sets[0].query, sets[0].key_cache, sets[0].block_tables)
+    plan = _extension.launch_plan(sets[0].query, sets[0].key_cache, sets[0].block_tables)
     print(f"{cfg.name}: {len(sets)} calls a replay, {t_us:.1f} us a call; plan {plan}")
     for i in range(min(2, len(sets))):
         _print_call(i, timers[i].cpu())

@@ -41,7 +41,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-CSRC = Path("tpkit/attention/csrc")
+CSRC = Path("tpkit/csrc")
 
 
 def _edit(path: Path, old: str, new: str) -> None:

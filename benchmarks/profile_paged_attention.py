@@ -17,7 +17,7 @@ import argparse
 import torch
 from bench_paged_attention import CONFIGS, SDPA_BACKENDS, _gather, _make_set, _parse_config, _sdpa_call
 
-from tpkit.attention import _cuda, paged_attention
+from tpkit.ops import _extension, paged_attention
 
 
 def main() -> None:
@@ -36,7 +36,7 @@ def main() -> None:
     for cfg in configs:
         s = _make_set(cfg, generator)
         if args.impl == "tpkit":
-            print(f"{cfg}: plan {_cuda.launch_plan(s.query, s.key_cache, s.block_tables)}", flush=True)
+            print(f"{cfg}: plan {_extension.launch_plan(s.query, s.key_cache, s.block_tables)}", flush=True)
             out = torch.empty_like(s.query)
             for _ in range(args.calls):
                 paged_attention(s.query, s.key_cache, s.value_cache, s.block_tables, s.seq_lens, out=out)

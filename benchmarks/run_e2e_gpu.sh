@@ -11,8 +11,8 @@ source benchmarks/gpu_stages.sh
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda,
 'transformers', transformers.__version__)"; date -u; } | tee "$OUT/gpu.txt"
 
-stage build 120 python3 -c "import torch; from tpkit.attention import _cuda
-_cuda.build(torch.cuda.get_device_capability())"
+stage build 120 python3 -c "import torch; from tpkit.ops import _extension
+_extension.build(torch.cuda.get_device_capability())"
 stage tests 140 torchrun --nproc-per-node 1 -m pytest -q -p no:cacheprovider --tb=short -W ignore::UserWarning \
   tests/test_models_llama.py tests/test_models_gpt_bigcode.py tests/test_models_bart.py tests/test_generate.py \
   tests/test_linear.py tests/test_cross_qkv.py tests/test_attention_layer.py tests/test_loader_ranks.py \

@@ -15,8 +15,8 @@ nvidia-smi topo -m | head -$(( NPROC + 1 ))
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())"
 date -u
 
-stage build 150 python3 -c "import torch; from tpkit.attention import _cuda
-_cuda.build(torch.cuda.get_device_capability())"
+stage build 150 python3 -c "import torch; from tpkit.ops import _extension
+_extension.build(torch.cuda.get_device_capability())"
 # The suite under torchrun, then the test that starts two NCCL ranks itself (skipped under torchrun):
 # CUDA-graph decode at tp_size 2, then the teardown.
 PYTEST="-m pytest -q -p no:cacheprovider --tb=short -rfE -W ignore::UserWarning"

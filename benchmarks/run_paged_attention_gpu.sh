@@ -47,7 +47,7 @@ for stage in $STAGES; do
   start=$(date +%s)
   case $stage in
     build)
-      python3 -c "import torch; from tpkit.attention import _cuda; _cuda.build(torch.cuda.get_device_capability())" \
+      python3 -c "import torch; from tpkit.ops import _extension; _extension.build(torch.cuda.get_device_capability())" \
         > "$OUT/build.log" 2>&1 || { echo "BUILD FAILED"; tail -40 "$OUT/build.log"; exit 1; } ;;
     tests)
       timeout 400 python3 -m pytest -q -p no:cacheprovider --tb=short -W ignore::UserWarning $T $L \

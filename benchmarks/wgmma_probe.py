@@ -1,4 +1,4 @@
-"""Checks tpkit/attention/csrc/wgmma.cuh on a Hopper GPU (sm_90a): S = Q K^T and O = bf16(S) V for one
+"""Checks tpkit/csrc/wgmma.cuh on a Hopper GPU (sm_90a): S = Q K^T and O = bf16(S) V for one
 64-row, 64-token, head-128 tile, through the shared-memory layout and descriptors the header documents,
 against torch in float32. Prints the largest errors and exits non-zero when they are off.
 

@@ -1,6 +1,6 @@
 """The CUDA decode linear kernel against a float32 product of the same tensors.
 
-Skipped without a GPU. The kernel is called directly through ``tpkit.attention._cuda`` (which must build and
+Skipped without a GPU. The kernel is called directly through ``tpkit.ops._extension`` (which must build and
 take the tensors: a test fails rather than silently checking the F.linear fallback), for every split of
 ``in_features`` over a block's warps, and through ``decode_linear``: under ``torch.compile``, in a CUDA
 graph, in the fallbacks, and in a model's layers.
@@ -13,15 +13,15 @@ import torch
 import torch.nn.functional as F
 from cuda_graphs import capture
 
-from tpkit.attention import (
-    _cuda,
+from tpkit.models import LlamaForCausalLM
+from tpkit.ops import (
+    _extension,
     apply_rotary,
     decode_linear,
     decode_linear_residual_norm,
     decode_linear_silu_and_mul,
     decode_qkv_rope_cache,
 )
-from tpkit.models import LlamaForCausalLM
 from tpkit.parallel_layers import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -67,7 +67,7 @@ def test_kernel_matches_float32(dtype: torch.dtype, num_rows: int, out_features:
                                 bias: bool) -> None:
     x, w, b = _operands(num_rows, out_features, in_features, dtype, bias=bias)
     out = torch.full((num_rows, out_features), float("nan"), device="cuda", dtype=dtype)
-    assert _cuda.decode_linear(out, x, w, b)
+    assert _extension.decode_linear(out, x, w, b)
     _assert_close(out, _reference(x, w, b), dtype)
 
 
@@ -77,7 +77,7 @@ def test_every_split_gives_the_product(splits: int, num_rows: int) -> None:
     # in_features 1056 = 33 steps of 32: shares of unequal length for every split.
     x, w, b = _operands(num_rows, 200, 1056, torch.bfloat16, bias=True, seed=splits)
     out = torch.empty(num_rows, 200, device="cuda", dtype=torch.bfloat16)
-    assert _cuda.decode_linear(out, x, w, b, splits)
+    assert _extension.decode_linear(out, x, w, b, splits)
     _assert_close(out, _reference(x, w, b), torch.bfloat16)
 
 
@@ -89,7 +89,7 @@ def test_strided_rows_and_weight_slices() -> None:
     x, w = x_wide[:, :512], w_all[64:]
     out_wide = torch.zeros(8, 384, device="cuda", dtype=torch.float16)
     out = out_wide[:, 64:320]
-    assert _cuda.decode_linear(out, x, w, None)
+    assert _extension.decode_linear(out, x, w, None)
     _assert_close(out, _reference(x, w, None), torch.float16)
     assert out_wide[:, :64].eq(0).all() and out_wide[:, 320:].eq(0).all()
 
@@ -111,7 +111,7 @@ def test_kernel_declines_what_it_does_not_take(case: str) -> None:
     # A column offset of 8 elements keeps 16-byte rows; of 1 element it does not.
     x = x[:, 1:in_features + 1] if case == "unaligned input" else x[:, 8:in_features + 8]
     out = torch.empty(num_rows, out_features, device="cuda", dtype=dtype)
-    assert not _cuda.decode_linear(out, x, w, b)
+    assert not _extension.decode_linear(out, x, w, b)
     # decode_linear falls back to F.linear for the same tensors.
     torch.testing.assert_close(decode_linear(x, w, b), F.linear(x, w, b))
 
@@ -119,11 +119,11 @@ def test_kernel_declines_what_it_does_not_take(case: str) -> None:
 def test_bad_arguments_raise() -> None:
     x, w, _ = _operands(4, 64, 256, torch.bfloat16, bias=False)
     with pytest.raises(ValueError, match="weight"):
-        _cuda.decode_linear(torch.empty(4, 64, device="cuda", dtype=torch.bfloat16), x, w[:, :128], None)
+        _extension.decode_linear(torch.empty(4, 64, device="cuda", dtype=torch.bfloat16), x, w[:, :128], None)
     with pytest.raises(ValueError, match="out: expected \\[4, 64\\]"):
-        _cuda.decode_linear(torch.empty(4, 32, device="cuda", dtype=torch.bfloat16), x, w, None)
+        _extension.decode_linear(torch.empty(4, 32, device="cuda", dtype=torch.bfloat16), x, w, None)
     with pytest.raises(ValueError, match="bias"):
-        _cuda.decode_linear(torch.empty(4, 64, device="cuda", dtype=torch.bfloat16), x, w,
+        _extension.decode_linear(torch.empty(4, 64, device="cuda", dtype=torch.bfloat16), x, w,
                             torch.zeros(32, device="cuda", dtype=torch.bfloat16))
 
 
@@ -195,7 +195,7 @@ def test_silu_and_mul_matches_float32(dtype: torch.dtype, num_rows: int, feature
                                       bias: bool) -> None:
     x, w, b = _operands(num_rows, 2 * features, in_features, dtype, bias=bias)
     out = torch.full((num_rows, features), float("nan"), device="cuda", dtype=dtype)
-    assert _cuda.decode_linear(out, x, w, b, 0, True)
+    assert _extension.decode_linear(out, x, w, b, 0, True)
     _assert_close(out, _silu_and_mul_reference(x, w, b), dtype)
     torch.testing.assert_close(decode_linear_silu_and_mul(x, w, b), out, rtol=0, atol=0)
 
@@ -204,20 +204,22 @@ def test_silu_and_mul_matches_float32(dtype: torch.dtype, num_rows: int, feature
 def test_silu_and_mul_every_split(splits: int) -> None:
     x, w, b = _operands(12, 2 * 264, 2048, torch.bfloat16, bias=True, seed=splits)
     out = torch.empty(12, 264, device="cuda", dtype=torch.bfloat16)
-    assert _cuda.decode_linear(out, x, w, b, splits, True)
+    assert _extension.decode_linear(out, x, w, b, splits, True)
     _assert_close(out, _silu_and_mul_reference(x, w, b), torch.bfloat16)
 
 
 def test_silu_and_mul_declines_and_rejects() -> None:
     # 12 features: not a multiple of 8, so the kernel says no and the wrapper computes it with F.linear.
     x, w, b = _operands(4, 24, 256, torch.bfloat16, bias=True)
-    assert not _cuda.decode_linear(torch.empty(4, 12, device="cuda", dtype=torch.bfloat16), x, w, b, 0, True)
+    out = torch.empty(4, 12, device="cuda", dtype=torch.bfloat16)
+    assert not _extension.decode_linear(out, x, w, b, 0, True)
     gate, up = F.linear(x, w, b).chunk(2, dim=-1)
     torch.testing.assert_close(decode_linear_silu_and_mul(x, w, b), F.silu(gate) * up)
     with pytest.raises(ValueError, match="out: expected \\[4, 12\\]"):
-        _cuda.decode_linear(torch.empty(4, 24, device="cuda", dtype=torch.bfloat16), x, w, b, 0, True)
+        _extension.decode_linear(torch.empty(4, 24, device="cuda", dtype=torch.bfloat16), x, w, b, 0, True)
     with pytest.raises(ValueError, match="silu_and_mul: expected a weight of an even number of rows"):
-        _cuda.decode_linear(torch.empty(4, 11, device="cuda", dtype=torch.bfloat16), x, w[:23], None, 0, True)
+        _extension.decode_linear(torch.empty(4, 11, device="cuda", dtype=torch.bfloat16), x, w[:23], None, 0,
+                                 True)
 
 
 def _small_llama_model() -> LlamaForCausalLM:
@@ -270,7 +272,7 @@ def test_qkv_rope_cache_matches_float32(dtype: torch.dtype, num_rows: int, num_h
     t = _rope_cache_operands(num_rows, num_heads, num_kv_heads, head_size, dtype, bias=bias)
     key_before, value_before = t["key_cache"].clone(), t["value_cache"].clone()
     out = torch.full((num_rows, t["weight"].shape[0]), float("nan"), device="cuda", dtype=dtype)
-    assert _cuda.decode_qkv_rope_cache(out, **t, num_heads=num_heads)
+    assert _extension.decode_qkv_rope_cache(out, **t, num_heads=num_heads)
     # The product rounded to the dtype, then rotated in float32.
     qkv = _reference(t["input"], t["weight"], t["bias"]).to(dtype).float().view(num_rows, -1, head_size)
     rotated = apply_rotary(qkv[None, :, : num_heads + num_kv_heads], t["cos"].float()[None, :, None],
@@ -298,7 +300,7 @@ def test_qkv_rope_cache_wrapper_and_fallback_agree() -> None:
         t = _rope_cache_operands(6, 4, 2, head_size, torch.bfloat16, bias=True)
         reference = {k: v.clone() for k, v in t.items() if v is not None}
         out = torch.empty(6, t["weight"].shape[0], device="cuda", dtype=torch.bfloat16)
-        assert _cuda.decode_qkv_rope_cache(out, **t, num_heads=4) == kernel
+        assert _extension.decode_qkv_rope_cache(out, **t, num_heads=4) == kernel
         x, cos, sin = t["input"].view(6, 1, 256), t["cos"].view(6, 1, 1, -1), t["sin"].view(6, 1, 1, -1)
         got = decode_qkv_rope_cache(x, t["weight"], t["bias"], cos, sin, t["key_cache"], t["value_cache"],
                                     t["slot_mapping"], 4)
@@ -317,14 +319,14 @@ def test_qkv_rope_cache_rejects_bad_arguments() -> None:
     out = torch.empty(4, 512, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"weight: expected \[\(num_heads \+ 2 \* num_kv_heads\) \* "
                                          r"head_size = 576, in_features\]"):
-        _cuda.decode_qkv_rope_cache(out, **t, num_heads=5)
+        _extension.decode_qkv_rope_cache(out, **t, num_heads=5)
     with pytest.raises(ValueError, match=r"decode_qkv_rope_cache: weight: expected"):
         decode_qkv_rope_cache(t["input"], t["weight"], None, t["cos"], t["sin"], t["key_cache"],
                               t["value_cache"], t["slot_mapping"], 5)
     with pytest.raises(ValueError, match=r"cos: expected BFloat16 \[4, 32\], got BFloat16 \[4, 16\]"):
-        _cuda.decode_qkv_rope_cache(out, **{**t, "cos": t["cos"][:, :16]}, num_heads=4)
+        _extension.decode_qkv_rope_cache(out, **{**t, "cos": t["cos"][:, :16]}, num_heads=4)
     with pytest.raises(ValueError, match=r"slot_mapping: expected int64 \[4\]"):
-        _cuda.decode_qkv_rope_cache(out, **{**t, "slot_mapping": t["slot_mapping"].int()}, num_heads=4)
+        _extension.decode_qkv_rope_cache(out, **{**t, "slot_mapping": t["slot_mapping"].int()}, num_heads=4)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["float16", "bfloat16"])
@@ -341,7 +343,8 @@ def test_residual_norm_matches_float32(dtype: torch.dtype, num_rows: int, bias: 
     sums, zero_sums = sums_before.clone(), torch.randn(num_rows, device="cuda", dtype=torch.float64)
     out = torch.full((num_rows, 1040), float("nan"), device="cuda", dtype=dtype)
     normed = torch.full_like(out, float("nan"))
-    assert _cuda.decode_linear_residual_norm(out, normed, x, w, b, residual, norm_weight, sums, zero_sums)
+    assert _extension.decode_linear_residual_norm(out, normed, x, w, b, residual, norm_weight, sums,
+                                                  zero_sums)
     # The product rounded to the dtype, the sum with the residual rounded once.
     _assert_close(out, (_reference(x, w, b).to(dtype).float() + residual.float()), dtype)
     assert torch.equal(normed, (out.float() * norm_weight.float()).to(dtype))
@@ -359,22 +362,22 @@ def test_rms_sums_scale_the_products(dtype: torch.dtype, num_rows: int) -> None:
     rms_sums = torch.rand(num_rows, device="cuda", dtype=torch.float64) * 256 + 1
     scale = torch.rsqrt(rms_sums.float() / 256 + eps)[:, None]  # [num_rows, 1]
     out = torch.empty(num_rows, 96, device="cuda", dtype=dtype)
-    assert _cuda.decode_linear(out, x, w, b, rms_sums=rms_sums, eps=eps)
+    assert _extension.decode_linear(out, x, w, b, rms_sums=rms_sums, eps=eps)
     expected = _reference(x, w, None) * scale + b.float()
     _assert_close(out, expected, dtype)
     swiglu = torch.empty(num_rows, 48, device="cuda", dtype=dtype)
-    assert _cuda.decode_linear(swiglu, x, w, b, silu_and_mul=True, rms_sums=rms_sums, eps=eps)
+    assert _extension.decode_linear(swiglu, x, w, b, silu_and_mul=True, rms_sums=rms_sums, eps=eps)
     gate, up = expected.to(dtype).float().chunk(2, dim=-1)
     _assert_close(swiglu, F.silu(gate) * up, dtype)
 
     t = _rope_cache_operands(num_rows, 4, 2, 64, dtype, bias=True)
     plain = {k: v.clone() for k, v in t.items() if v is not None}
     qkv = torch.empty(num_rows, t["weight"].shape[0], device="cuda", dtype=dtype)
-    assert _cuda.decode_qkv_rope_cache(qkv, **t, num_heads=4, rms_sums=rms_sums, eps=eps)
+    assert _extension.decode_qkv_rope_cache(qkv, **t, num_heads=4, rms_sums=rms_sums, eps=eps)
     # The same step on the input rows scaled beforehand (in float32, then rounded once).
     plain["input"] = (plain["input"].float() * scale).to(dtype)
     expected_qkv = torch.empty_like(qkv)
-    assert _cuda.decode_qkv_rope_cache(expected_qkv, **plain, num_heads=4)
+    assert _extension.decode_qkv_rope_cache(expected_qkv, **plain, num_heads=4)
     _assert_close(qkv, expected_qkv.float(), dtype)
     _assert_close(t["key_cache"], plain["key_cache"].float(), dtype)
     _assert_close(t["value_cache"], plain["value_cache"].float(), dtype)
@@ -387,15 +390,15 @@ def test_residual_norm_rejects_bad_arguments() -> None:
     zero_sums = torch.zeros_like(sums)
     out, normed = torch.empty_like(residual), torch.empty_like(residual)
     with pytest.raises(ValueError, match=r"residual: expected BFloat16 \[4, 64\], got BFloat16 \[4, 32\]"):
-        _cuda.decode_linear_residual_norm(out, normed, x, w, b, residual[:, :32], norm_weight, sums,
+        _extension.decode_linear_residual_norm(out, normed, x, w, b, residual[:, :32], norm_weight, sums,
                                           zero_sums)
     with pytest.raises(ValueError, match=r"sums: expected float64 \[4\], got BFloat16 \[4\]"):
-        _cuda.decode_linear_residual_norm(out, normed, x, w, b, residual, norm_weight, sums.bfloat16(),
+        _extension.decode_linear_residual_norm(out, normed, x, w, b, residual, norm_weight, sums.bfloat16(),
                                           zero_sums)
     with pytest.raises(ValueError, match="zero_sums: expected another buffer than sums"):
-        _cuda.decode_linear_residual_norm(out, normed, x, w, b, residual, norm_weight, sums, sums)
+        _extension.decode_linear_residual_norm(out, normed, x, w, b, residual, norm_weight, sums, sums)
     with pytest.raises(ValueError, match=r"rms_sums: expected float64 \[4\], got Double \[3\]"):
-        _cuda.decode_linear(out, x, w, b, rms_sums=sums[:3], eps=1e-5)
+        _extension.decode_linear(out, x, w, b, rms_sums=sums[:3], eps=1e-5)
     with pytest.raises(ValueError, match=r"decode_linear_residual_norm: norm_weight: expected \(64,\)"):
         decode_linear_residual_norm(x, w, b, residual, norm_weight[:32], sums, zero_sums)
 

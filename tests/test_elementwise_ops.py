@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from cuda_graphs import capture
 
-from tpkit.attention import apply_rotary, decode_linear_silu_and_mul
+from tpkit.ops import apply_rotary, decode_linear_silu_and_mul
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

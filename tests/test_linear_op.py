@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from tpkit.attention import (
+from tpkit.models import LlamaForCausalLM
+from tpkit.ops import (
     apply_rms_sums,
     apply_rotary,
     decode_linear,
@@ -17,7 +18,6 @@ from tpkit.attention import (
     decode_linear_silu_and_mul,
     decode_qkv_rope_cache,
 )
-from tpkit.models import LlamaForCausalLM
 from tpkit.parallel_layers import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-import tpkit.attention.reference as reference
+import tpkit.ops.paged_attention_reference as reference
 from tpkit.attention import paged_attention, reshape_and_cache
 
 HEAD_SIZES = (32, 64, 80, 96, 112, 120, 128, 192, 256)

@@ -1,6 +1,6 @@
 """The CUDA paged-attention kernels against the PyTorch (CPU) implementation of the same ops.
 
-Skipped without a GPU. The kernel is called directly through ``tpkit.attention._cuda`` (which must build:
+Skipped without a GPU. The kernel is called directly through ``tpkit.ops._extension`` (which must build:
 a test fails rather than silently checking the PyTorch fallback) and through the public ops, in CUDA graphs
 and under ``torch.compile``. Caches start filled with NaN and block tables are random permutations whose
 unused entries point at NaN pages, so any read of a slot outside a sequence shows up in the result.
@@ -14,7 +14,7 @@ import pytest
 import torch
 from cuda_graphs import capture
 
-from tpkit.attention import _cuda, paged_attention, reshape_and_cache
+from tpkit.ops import _extension, paged_attention, reshape_and_cache
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -84,7 +84,7 @@ def _check_attention(dtype: torch.dtype, head_size: int, block_size: int, num_he
 
     dev = torch.device("cuda")
     out = torch.full((len(seq_lens), num_heads, head_size), float("nan"), dtype=dtype, device=dev)
-    ran = _cuda.paged_attention(out, query.to(dev, dtype), key_cache.to(dev, dtype),
+    ran = _extension.paged_attention(out, query.to(dev, dtype), key_cache.to(dev, dtype),
                                 value_cache.to(dev, dtype), block_tables.to(dev), lens.to(dev), scale,
                                 None if slopes is None else slopes.to(dev))
     assert ran, "the CUDA extension did not build"
@@ -98,7 +98,7 @@ def _plan(dtype: torch.dtype, head_size: int, block_size: int, num_heads: int, n
     the shapes alone: block tables as wide as _make_paged builds them)."""
     dev = torch.device("cuda")
     width = _table_width(seq_lens, block_size)
-    return _cuda.launch_plan(torch.empty(len(seq_lens), num_heads, head_size, dtype=dtype, device=dev),
+    return _extension.launch_plan(torch.empty(len(seq_lens), num_heads, head_size, dtype=dtype, device=dev),
                              torch.empty(4, block_size, num_kv_heads, head_size, dtype=dtype, device=dev),
                              torch.zeros(len(seq_lens), width, dtype=torch.int32, device=dev))
 
@@ -322,9 +322,9 @@ def test_paged_attention_cache_views(layout: str, dtype: torch.dtype, num_heads:
     query_d, block_tables_d = query.to(dev, dtype), block_tables.to(dev)
     warpgroup_kernel = _takes_warpgroup_kernel(dtype, num_heads // num_kv_heads,
                                                block_tables.shape[1] * block_size)
-    assert _cuda.launch_plan(query_d, key_cache, block_tables_d)["wgmma"] == warpgroup_kernel
+    assert _extension.launch_plan(query_d, key_cache, block_tables_d)["wgmma"] == warpgroup_kernel
     out = torch.full((num_seqs, num_heads, head_size), float("nan"), dtype=dtype, device=dev)
-    assert _cuda.paged_attention(out, query_d, key_cache, value_cache, block_tables_d, lens.to(dev),
+    assert _extension.paged_attention(out, query_d, key_cache, value_cache, block_tables_d, lens.to(dev),
                                  head_size ** -0.5, None)
     atol, rtol = TOLERANCES[dtype]
     torch.testing.assert_close(out.float().cpu(), expected, atol=atol, rtol=rtol)
@@ -350,7 +350,7 @@ def test_paged_attention_strided_query(dtype: torch.dtype, num_heads: int, num_k
     expected = paged_attention(query.contiguous(), key_cache, value_cache, block_tables, lens)
     dev = torch.device("cuda")
     out = torch.empty(len(seq_lens), num_heads, head_size, device=dev, dtype=dtype)
-    assert _cuda.paged_attention(out, qk.to(dev, dtype)[:, :num_heads], key_cache.to(dev, dtype),
+    assert _extension.paged_attention(out, qk.to(dev, dtype)[:, :num_heads], key_cache.to(dev, dtype),
                                  value_cache.to(dev, dtype), block_tables.to(dev), lens.to(dev),
                                  head_size ** -0.5, None)
     atol, rtol = TOLERANCES[dtype]
@@ -369,7 +369,7 @@ def test_paged_attention_rejects_wide_strides() -> None:
     block_tables = torch.tensor([[0], [1]], dtype=torch.int32, device=dev)
     lens = torch.ones(2, dtype=torch.int32, device=dev)
     with pytest.raises(ValueError, match=r"strides under 2\^31 bytes, got strides \[1073741824, 64, 64, 1\]"):
-        _cuda.paged_attention(out, query, cache, cache, block_tables, lens, 1.0, None)
+        _extension.paged_attention(out, query, cache, cache, block_tables, lens, 1.0, None)
     assert bool((out == 7.0).all())
 
 
@@ -382,7 +382,8 @@ def test_paged_attention_unsupported(head_size: int, block_size: int, dtype: tor
     block_tables = torch.zeros(2, 2, dtype=torch.int32, device=dev)
     lens = torch.ones(2, dtype=torch.int32, device=dev)
     with pytest.raises(ValueError, match="supported: .*head sizes 32, 64"):
-        _cuda.paged_attention(torch.empty_like(query), query, cache, cache, block_tables, lens, 1.0, None)
+        _extension.paged_attention(torch.empty_like(query), query, cache, cache, block_tables, lens, 1.0,
+                                   None)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -402,8 +403,8 @@ def test_reshape_and_cache(dtype: torch.dtype, head_size: int) -> None:
 
     dev = torch.device("cuda")
     key_cache_d, value_cache_d = key_cache.to(dev), value_cache.to(dev)
-    assert _cuda.reshape_and_cache(kv.to(dev)[:, :num_kv_heads], value.to(dev), key_cache_d, value_cache_d,
-                                   slots.to(dev))
+    assert _extension.reshape_and_cache(kv.to(dev)[:, :num_kv_heads], value.to(dev), key_cache_d,
+                                        value_cache_d, slots.to(dev))
     assert torch.equal(key_cache_d.cpu(), expected_k)
     assert torch.equal(value_cache_d.cpu(), expected_v)
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpkit.attention.kv_cache import AttentionMetadata, PagedKVCache
-from tpkit.attention.ops import paged_attention, reshape_and_cache
+from tpkit.ops.paged_attention import paged_attention, reshape_and_cache
 
 
 class Attention(nn.Module):

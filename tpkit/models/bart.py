@@ -22,12 +22,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from tpkit.attention import Attention, AttentionMetadata, PagedKVCache, decode_linear
+from tpkit.attention import Attention, AttentionMetadata, PagedKVCache
 from tpkit.loaders import load_weights
 from tpkit.models.activations import get_activation
 from tpkit.models.dropout import attend
 from tpkit.models.generation import PagedLM, parse_eos_token_ids, right_pad
 from tpkit.models.sequence_parallel import check_sequence_parallel, exit_sequence_parallel, mark_norms
+from tpkit.ops import decode_linear
 from tpkit.parallel_layers import (
     ColumnParallelLinear,
     ParallelLMHead,

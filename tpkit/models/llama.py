@@ -23,10 +23,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpkit.attention import (
-    Attention,
-    AttentionMetadata,
-    PagedKVCache,
+from tpkit.attention import Attention, AttentionMetadata, PagedKVCache
+from tpkit.loaders import load_weights
+from tpkit.models.activations import get_activation
+from tpkit.models.dropout import attend
+from tpkit.models.generation import PagedDecoderOnlyLM, parse_eos_token_ids
+from tpkit.models.rope import RotaryEmbedding, rope_parameters
+from tpkit.models.sequence_parallel import check_sequence_parallel, exit_sequence_parallel, mark_norms
+from tpkit.ops import (
     apply_rms_sums,
     apply_rotary,
     decode_kernel_applies,
@@ -35,12 +39,6 @@ from tpkit.attention import (
     decode_linear_silu_and_mul,
     decode_qkv_rope_cache,
 )
-from tpkit.loaders import load_weights
-from tpkit.models.activations import get_activation
-from tpkit.models.dropout import attend
-from tpkit.models.generation import PagedDecoderOnlyLM, parse_eos_token_ids
-from tpkit.models.rope import RotaryEmbedding, rope_parameters
-from tpkit.models.sequence_parallel import check_sequence_parallel, exit_sequence_parallel, mark_norms
 from tpkit.parallel_layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,

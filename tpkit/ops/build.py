@@ -3,8 +3,8 @@
 Run on a machine with the CUDA toolkit (``nvcc`` matching ``torch.version.cuda``) and the torch version the
 users have::
 
-    python -m tpkit.attention.build                 # for the architectures of the visible GPUs
-    python -m tpkit.attention.build --arch 8.0 9.0  # for named architectures, no GPU needed
+    python -m tpkit.ops.build                 # for the architectures of the visible GPUs
+    python -m tpkit.ops.build --arch 8.0 9.0  # for named architectures, no GPU needed
 
 Each architecture gets its own module under ``$TORCH_EXTENSIONS_DIR`` (default
 ``~/.cache/torch_extensions``); the directories printed are what to ship. On the target machine, set
@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from tpkit.attention import _cuda
+from tpkit.ops import _extension
 
 
 def _parse_arch(text: str) -> tuple[int, int]:
@@ -47,8 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         if capability < (8, 0):
             parser.error(f"the kernels need compute capability 8.0 or newer, got "
                          f"{capability[0]}.{capability[1]}")
-        _cuda.build(capability, verbose=args.verbose)
-        print(_cuda.build_root() / _cuda.extension_name(capability))
+        _extension.build(capability, verbose=args.verbose)
+        print(_extension.build_root() / _extension.extension_name(capability))
     return 0
 
 

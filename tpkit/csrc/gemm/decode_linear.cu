@@ -3,8 +3,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include "decode_linear.cuh"
-#include "launch_common.h"
+#include "gemm/decode_linear.cuh"
+#include "common/launch_common.h"
 
 namespace {
 

@@ -5,7 +5,7 @@
 
 #include <stdint.h>
 
-#include "paged_attention.h"
+#include "cache/reshape_and_cache.h"
 
 namespace tpkit {
 

@@ -6,9 +6,9 @@
 
 #include <math.h>
 
-#include "dtype_traits.cuh"
-#include "paged_attention.h"
-#include "ptx.cuh"
+#include "common/dtype_traits.cuh"
+#include "attention/paged_attention.h"
+#include "common/ptx.cuh"
 
 namespace tpkit {
 

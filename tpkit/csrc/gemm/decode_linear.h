@@ -6,7 +6,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include "paged_attention.h"
+#include "common/dtype.h"
 
 #ifdef __cplusplus
 extern "C" {

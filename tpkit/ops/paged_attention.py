@@ -1,8 +1,8 @@
 """The paged attention custom ops, ``torch.ops.tpkit.paged_attention`` and ``tpkit.reshape_and_cache``.
 
-Each op has a default implementation in plain PyTorch (:mod:`tpkit.attention.reference`), used on the CPU
-and on any device without a kernel of its own; a CUDA implementation that runs the CUDA kernel
-(:mod:`tpkit.attention._cuda`) and falls back to the PyTorch one on the GPU where the kernel cannot be
+Each op has a default implementation in plain PyTorch (:mod:`tpkit.ops.paged_attention_reference`), used on
+the CPU and on any device without a kernel of its own; a CUDA implementation that runs the CUDA kernel
+(:mod:`tpkit.ops._extension`) and falls back to the PyTorch one on the GPU where the kernel cannot be
 built; and a fake implementation, so both run under ``torch.compile`` and in CUDA graphs.
 
 Arguments are validated inside every implementation (fake included, so ``torch.compile`` reports bad
@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from tpkit.attention.reference import paged_attention_reference, reshape_and_cache_reference
+from tpkit.ops.paged_attention_reference import paged_attention_reference, reshape_and_cache_reference
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _HALF_DTYPES = (torch.float16, torch.bfloat16)  # what the decode linear and element-wise kernels take
@@ -167,7 +167,7 @@ def _define_op(
     """Defines ``tpkit::<name>`` with its default (PyTorch), CUDA and fake implementations.
 
     Each implementation takes the op's arguments in schema order. ``check`` validates them, reading
-    device memory only with ``read_values=True``. The CUDA implementation calls ``_cuda.<name>``, which
+    device memory only with ``read_values=True``. The CUDA implementation calls ``_extension.<name>``, which
     returns False where the kernel cannot be built here (it warns once itself), and then runs the PyTorch
     implementation on the GPU.
     """
@@ -180,9 +180,9 @@ def _define_op(
     def cuda_impl(*args: object) -> None:
         check(*args, read_values=_debug_enabled())
         # Imported here so that CPU-only use never touches the extension.
-        from tpkit.attention import _cuda
+        from tpkit.ops import _extension
 
-        if getattr(_cuda, name)(*args):
+        if getattr(_extension, name)(*args):
             # The kernel writes through raw pointers: bump the written tensors' version counters, as the
             # PyTorch implementation's in-place ops do, so autograd sees the mutation.
             for i in mutated:

@@ -1,5 +1,5 @@
 // The float32 paged-attention kernels, one per supported head size. Torch-free.
-#include "paged_attention_launch.cuh"
+#include "attention/paged_attention_launch.cuh"
 
 namespace tpkit {
 

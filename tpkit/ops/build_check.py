@@ -1,6 +1,6 @@
 """Compile check of the torch-free CUDA kernel sources, for CI machines that have nvcc but no GPU.
 
-``python -m tpkit.attention.build_check`` compiles every ``csrc/*.cu`` (everything but the torch binding)
+``python -m tpkit.ops.build_check`` compiles every ``csrc/*/*.cu`` (everything but the torch binding)
 for sm_80 and sm_90a (the JIT build's targets) into object files in a temporary directory, with the
 flags the JIT build uses plus the half-precision macros torch's build defines, and ``-Xptxas -v``. It
 prints one line per kernel with registers and spills, and exits non-zero on any compiler error (or, with
@@ -19,9 +19,9 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from tpkit.attention._cuda import arch_flags
+from tpkit.ops._extension import arch_flags
 
-_CSRC = Path(__file__).resolve().parent / "csrc"
+_CSRC = Path(__file__).resolve().parent.parent / "csrc"
 _CAPABILITIES = ((8, 0), (9, 0))
 # torch.utils.cpp_extension adds these to every nvcc command; the kernels must compile with them.
 _TORCH_NVCC_DEFINES = (
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     if nvcc is None:
         print("build_check: nvcc not found (set CUDA_HOME or put nvcc on PATH)", file=sys.stderr)
         return 2
-    sources = sorted(_CSRC.glob("*.cu"))
+    sources = sorted(_CSRC.glob("*/*.cu"))
     jobs = [(source, capability) for source in sources for capability in _CAPABILITIES]
     with tempfile.TemporaryDirectory(prefix="tpkit_build_check_") as tmp, \
             ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:

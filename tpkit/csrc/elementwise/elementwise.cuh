@@ -4,8 +4,8 @@
 
 #include <stdint.h>
 
-#include "dtype_traits.cuh"
-#include "elementwise.h"
+#include "common/dtype_traits.cuh"
+#include "elementwise/elementwise.h"
 
 namespace tpkit {
 

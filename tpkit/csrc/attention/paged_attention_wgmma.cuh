@@ -18,11 +18,11 @@
 
 #include <math.h>
 
-#include "dtype_traits.cuh"
-#include "paged_attention.h"
-#include "paged_attention_mma.cuh"
-#include "ptx.cuh"
-#include "wgmma.cuh"
+#include "common/dtype_traits.cuh"
+#include "attention/paged_attention.h"
+#include "attention/paged_attention_mma.cuh"
+#include "common/ptx.cuh"
+#include "common/wgmma.cuh"
 
 namespace tpkit {
 

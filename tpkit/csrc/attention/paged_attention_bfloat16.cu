@@ -1,5 +1,5 @@
 // The bfloat16 paged-attention kernels, one per supported head size. Torch-free.
-#include "paged_attention_launch.cuh"
+#include "attention/paged_attention_launch.cuh"
 
 namespace tpkit {
 

@@ -6,11 +6,11 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "common/dtype.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
-
-typedef enum { TPKIT_FLOAT16 = 0, TPKIT_BFLOAT16 = 1, TPKIT_FLOAT32 = 2 } tpkit_dtype;
 
 // Decode attention: out[s, h] = softmax(scale * q[s, h] . K[s, :]^T (+ ALiBi)) V[s, :] over the seq_lens[s]
 // tokens of sequence s, found through block_tables[s]. Query head h reads KV head h / (num_heads /
@@ -67,26 +67,6 @@ typedef struct {
   float* tmp_lse;
 } tpkit_paged_attention_args;
 
-// Copies new tokens' K and V into the caches: slot = block * block_size + offset; a negative slot (padding)
-// and a slot past the cache are skipped. Strides in elements; every last dim contiguous.
-typedef struct {
-  const void* key;    // [num_tokens, num_kv_heads, head_size]
-  const void* value;  // [num_tokens, num_kv_heads, head_size]
-  void* key_cache;    // [num_blocks, block_size, num_kv_heads, head_size]
-  void* value_cache;
-  const int64_t* slot_mapping;  // [num_tokens]
-  int num_tokens;
-  int num_kv_heads;
-  int head_size;
-  int block_size;
-  int64_t num_blocks;
-  int elem_size;  // bytes per element
-  int64_t key_stride_token, key_stride_head;
-  int64_t value_stride_token, value_stride_head;
-  int64_t kc_stride_block, kc_stride_token, kc_stride_head;
-  int64_t vc_stride_block, vc_stride_token, vc_stride_head;
-} tpkit_reshape_and_cache_args;
-
 // 1 when the kernels support this dtype, head size and block size (see tpkit_paged_attention_supported_text).
 int tpkit_paged_attention_supported(tpkit_dtype dtype, int head_size, int block_size);
 
@@ -99,8 +79,6 @@ cudaError_t tpkit_paged_attention_plan(tpkit_paged_attention_args* args);
 
 // Launches the attention kernel (and, when num_partitions > 1, the log-sum-exp merge) on `stream`.
 cudaError_t tpkit_paged_attention_launch(const tpkit_paged_attention_args* args, cudaStream_t stream);
-
-cudaError_t tpkit_reshape_and_cache_launch(const tpkit_reshape_and_cache_args* args, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

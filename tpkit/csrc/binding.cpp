@@ -12,9 +12,10 @@
 #include <optional>
 #include <string>
 
-#include "decode_linear.h"
-#include "elementwise.h"
-#include "paged_attention.h"
+#include "attention/paged_attention.h"
+#include "cache/reshape_and_cache.h"
+#include "elementwise/elementwise.h"
+#include "gemm/decode_linear.h"
 
 namespace {
 

@@ -9,8 +9,8 @@ the build. Compile flags: ``-O3 -std=c++17 -gencode=arch=compute_XY,code=sm_XY``
 Ahead-of-time build, for machines whose users have torch but no CUDA toolkit: on a machine with ``nvcc``
 (matching ``torch.version.cuda``) and the same torch, run::
 
-    python -m tpkit.attention.build                 # for the visible GPUs
-    python -m tpkit.attention.build --arch 8.0 9.0  # for named architectures, no GPU needed
+    python -m tpkit.ops.build                 # for the visible GPUs
+    python -m tpkit.ops.build --arch 8.0 9.0  # for named architectures, no GPU needed
 
 then ship the printed directories and point ``TORCH_EXTENSIONS_DIR`` at their parent. Where ``nvcc`` is
 missing, :func:`paged_attention`, :func:`reshape_and_cache` and :func:`decode_linear` load such a prebuilt
@@ -18,7 +18,8 @@ module directly.
 
 The entry points return False when no kernel can be had on this machine (no toolkit and no prebuilt
 module, a failed compile, a GPU older than sm_80); they then warn once saying how to get the kernel, and
-the caller (``tpkit.attention.ops``, ``tpkit.attention.linear``) runs the PyTorch implementation instead.
+the caller (``tpkit.ops.paged_attention``, ``tpkit.ops.linear``, ``tpkit.ops.rotary``) runs the PyTorch
+implementation instead.
 """
 
 from __future__ import annotations
@@ -34,19 +35,12 @@ from types import ModuleType
 
 import torch
 
-_CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = (
-    "binding.cpp",
-    "paged_attention_api.cu",
-    "paged_attention_float16.cu",
-    "paged_attention_bfloat16.cu",
-    "paged_attention_float32.cu",
-    "decode_linear.cu",
-    "elementwise.cu",
-)
+_CSRC = Path(__file__).resolve().parent.parent / "csrc"
+# The torch binding and every kernel family's sources (csrc/<topic>/*.cu).
+_SOURCES = ("binding.cpp", *sorted(str(path.relative_to(_CSRC)) for path in _CSRC.glob("*/*.cu")))
 _MIN_CAPABILITY = (8, 0)
 
-# tpkit_dtype codes of csrc/paged_attention.h
+# tpkit_dtype codes of csrc/common/dtype.h
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 _lock = threading.Lock()
@@ -58,7 +52,7 @@ def extension_name(capability: tuple[int, int]) -> str:
     """Module name of the build for one GPU architecture under this torch and CUDA version."""
     torch_version = re.sub(r"[^0-9a-zA-Z]+", "_", torch.__version__.split("+")[0])
     cuda_version = re.sub(r"[^0-9a-zA-Z]+", "_", torch.version.cuda or "none")
-    return f"tpkit_paged_attention_sm{capability[0]}{capability[1]}_torch{torch_version}_cu{cuda_version}"
+    return f"tpkit_kernels_sm{capability[0]}{capability[1]}_torch{torch_version}_cu{cuda_version}"
 
 
 def build_root() -> Path:
@@ -123,7 +117,7 @@ def _warn_once(reason: str) -> None:
         f"tpkit: the CUDA kernels (paged attention, decode linear) are not available ({reason}); using the "
         f"slower PyTorch implementations. For the fast kernels, install the CUDA toolkit matching torch "
         f"(CUDA {torch.version.cuda}: nvcc on PATH or CUDA_HOME set; it compiles on first use), or build it "
-        f"ahead of time with `python -m tpkit.attention.build` on a machine that has the toolkit and set "
+        f"ahead of time with `python -m tpkit.ops.build` on a machine that has the toolkit and set "
         f"TORCH_EXTENSIONS_DIR to the directory holding the result.",
         RuntimeWarning,
         stacklevel=3,

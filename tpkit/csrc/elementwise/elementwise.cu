@@ -5,8 +5,8 @@
 
 #include <algorithm>
 
-#include "elementwise.cuh"
-#include "launch_common.h"
+#include "elementwise/elementwise.cuh"
+#include "common/launch_common.h"
 
 namespace {
 

@@ -5,11 +5,11 @@
 #include <algorithm>
 #include <type_traits>
 
-#include "launch_common.h"
-#include "paged_attention_fp32.cuh"
-#include "paged_attention_merge.cuh"
-#include "paged_attention_mma.cuh"
-#include "paged_attention_wgmma.cuh"
+#include "attention/paged_attention_dispatch.h"
+#include "attention/paged_attention_fp32.cuh"
+#include "attention/paged_attention_merge.cuh"
+#include "attention/paged_attention_mma.cuh"
+#include "attention/paged_attention_wgmma.cuh"
 
 namespace tpkit {
 

@@ -12,9 +12,9 @@
 
 #include <stdint.h>
 
-#include "decode_linear.h"
-#include "dtype_traits.cuh"
-#include "ptx.cuh"
+#include "gemm/decode_linear.h"
+#include "common/dtype_traits.cuh"
+#include "common/ptx.cuh"
 
 namespace tpkit {
 

@@ -1,5 +1,5 @@
 """RoPE's rotation of a head's features (the NeoX / HuggingFace layout), shared by the models and by the
-decode kernel's reference (``tpkit.attention.linear``).
+decode kernel's reference (``tpkit.ops.linear``).
 
 On the GPU (float16, bfloat16, no gradient wanted) the rotation is one kernel, ``torch.ops.tpkit.rotary``,
 where the expression is seven (two products and a sum for each half, and the concatenation): a Llama-3-8B
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from tpkit.attention.ops import _FLOAT_DTYPES, _HALF_DTYPES, _check_tensor, _define_op
+from tpkit.ops.paged_attention import _FLOAT_DTYPES, _HALF_DTYPES, _check_tensor, _define_op
 
 
 def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

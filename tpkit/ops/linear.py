@@ -4,7 +4,7 @@ A decode step multiplies a handful of rows (one token per sequence) by every wei
 each product costs its weight's bytes at the memory's speed plus fixed costs. cuBLAS adds 3-8 us a product
 on the H200 (``benchmarks/bench_decode_gemm.py``); the kernel in ``csrc/decode_linear.cuh`` streams the
 weight straight into tensor-core operands and adds 2-4 us. It lives beside the attention kernels
-because they share the build (``tpkit.attention._cuda``) and ``tpkit.parallel_layers`` imports nothing of
+because they share the build (``tpkit.ops._extension``) and ``tpkit.parallel_layers`` imports nothing of
 ours: a model hands it to its layers with ``tpkit.parallel_layers.set_linear_op``.
 
 ``torch.ops.tpkit.decode_linear`` is a functional ``torch.library`` custom op (a fake implementation for
@@ -28,8 +28,14 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import register_flop_formula
 
-from tpkit.attention.ops import _FLOAT_DTYPES, _HALF_DTYPES, _check_tensor, _define_op, reshape_and_cache
-from tpkit.attention.rotary import apply_rotary
+from tpkit.ops.paged_attention import (
+    _FLOAT_DTYPES,
+    _HALF_DTYPES,
+    _check_tensor,
+    _define_op,
+    reshape_and_cache,
+)
+from tpkit.ops.rotary import apply_rotary
 
 _MAX_ROWS = 16  # TPKIT_DECODE_LINEAR_MAX_ROWS of csrc/decode_linear.h
 
@@ -99,10 +105,10 @@ def _run(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, s
     # -> [num_rows, features], contiguous
     if input.is_cuda:
         # Imported here so that CPU-only use never touches the extension.
-        from tpkit.attention import _cuda
+        from tpkit.ops import _extension
 
         out = input.new_empty(input.shape[0], _features(weight, silu_and_mul))
-        if _cuda.decode_linear(out, input, weight, bias, silu_and_mul=silu_and_mul, rms_sums=rms_sums,
+        if _extension.decode_linear(out, input, weight, bias, silu_and_mul=silu_and_mul, rms_sums=rms_sums,
                                eps=eps):
             return out
     product = F.linear(apply_rms_sums(input, rms_sums, eps), weight, bias)
@@ -245,10 +251,10 @@ def _decode_qkv_rope_cache_op(input: torch.Tensor, weight: torch.Tensor, bias: t
     # slot_mapping [num_rows], rms_sums [num_rows] or None
     # -> qkv [num_rows, (num_heads + 2 * num_kv_heads) * head_size], contiguous
     if input.is_cuda:
-        from tpkit.attention import _cuda
+        from tpkit.ops import _extension
 
         out = input.new_empty(input.shape[0], weight.shape[0])
-        if _cuda.decode_qkv_rope_cache(out, input, weight, bias, cos, sin, key_cache, value_cache,
+        if _extension.decode_qkv_rope_cache(out, input, weight, bias, cos, sin, key_cache, value_cache,
                                        slot_mapping, num_heads, rms_sums, eps):
             return out
     num_kv_heads, head_size = key_cache.shape[2], key_cache.shape[3]
@@ -324,10 +330,10 @@ def _decode_linear_residual_norm_op(input: torch.Tensor, weight: torch.Tensor, b
     out = input.new_empty(input.shape[0], weight.shape[0])
     normed = torch.empty_like(out)
     if input.is_cuda:
-        from tpkit.attention import _cuda
+        from tpkit.ops import _extension
 
-        if _cuda.decode_linear_residual_norm(out, normed, input, weight, bias, residual, norm_weight, sums,
-                                             zero_sums):
+        if _extension.decode_linear_residual_norm(out, normed, input, weight, bias, residual, norm_weight,
+                                                  sums, zero_sums):
             return out, normed
     torch.add(residual, F.linear(input, weight, bias), out=out)
     torch.mul(out, norm_weight, out=normed)

@@ -1,0 +1,127 @@
+// The C entry points of tpkit's paged-attention kernels (paged_attention.h): support checks, planning,
+// dtype dispatch. Torch-free.
+#include <algorithm>
+
+#include "attention/paged_attention.h"
+#include "attention/paged_attention_dispatch.h"
+#include "common/ptx.cuh"
+
+namespace tpkit {
+namespace {
+
+constexpr int kPlanTile = 64;           // tokens: partitions are whole tiles of every kernel
+constexpr int kMaxPartitions = 256;
+// The merge kernel (a second, dependent launch that starts once the attention grid is done), in tile reads;
+// a cluster merge costs none. (Measured on the H200, C3: 16 partitions of two tiles and the merge kernel
+// 11.8-11.9 us, 8 partitions of four tiles merged in their cluster 11.4 us, 4 of eight 15.6 us: a tile is
+// about a microsecond there and the merge kernel about 2.5 tiles.)
+constexpr double kMergeKernelCost = 2.5;
+constexpr double kBlockStartCost = 1.0;   // a block's first loads (block table, then K/V): no overlap yet
+// A block's fixed work (block table, query, epilogue, partial write) is about a tile's: partitions of one
+// tile spend half their time on it (measured on the H200, C3: 32 partitions of one tile 21.3 us, 16 of two
+// 17.8 us, 8 of four 21.3 us).
+constexpr int kMinPartitionTiles = 2;
+
+}  // namespace
+
+void plan_partitions(tpkit_paged_attention_args* a, int concurrent_blocks, double write_cost,
+                     uint32_t cluster_merges) {
+  const int64_t capacity = static_cast<int64_t>(a->max_blocks_per_seq) * a->block_size;
+  const int max_tiles = static_cast<int>(std::max<int64_t>(1, (capacity + kPlanTile - 1) / kPlanTile));
+  const double base = static_cast<double>(a->num_seqs) * a->num_kv_heads * a->m_groups;
+  const double slots = std::max(concurrent_blocks, 1);
+  // No split when the unsplit grid already fills every slot: the blocks past the first wave still find the
+  // memory system saturated, so splitting would only add partial writes and the merge (measured on the
+  // H200: C2 and C5 ran faster unsplit). Otherwise, among splits that fit one wave, a time model: a block
+  // costs its start, its tiles and writing its partial result; the merge reads every partial result once
+  // more, and the merge kernel, where the partitions cannot be merged in their cluster, costs its own.
+  int best_partitions = 1;
+  int best_tiles = max_tiles;
+  double best_cost = max_tiles + kBlockStartCost;
+  const int limit = base >= slots ? 1 : std::min(max_tiles / kMinPartitionTiles, kMaxPartitions);
+  for (int np = 2; np <= limit; ++np) {
+    const int tiles = (max_tiles + np - 1) / np;
+    if ((max_tiles + tiles - 1) / tiles != np) continue;  // same split as a smaller np
+    const double blocks = base * np;
+    if (blocks > slots) break;
+    const double merge_cost = (cluster_merges >> np) & 1 ? 0.0 : kMergeKernelCost;
+    const double cost = tiles + write_cost + kBlockStartCost + blocks * write_cost / slots + merge_cost;
+    if (cost < best_cost) {
+      best_cost = cost;
+      best_partitions = np;
+      best_tiles = tiles;
+    }
+  }
+  a->num_partitions = best_partitions;
+  a->partition_size = best_tiles * kPlanTile;
+}
+
+}  // namespace tpkit
+
+namespace {
+
+constexpr const char* kSupportedText =
+    "dtypes float16, bfloat16, float32; head sizes 32, 64, 80, 96, 112, 120, 128, 192, 256; block sizes 8, "
+    "16, 32";
+
+bool head_size_supported(int head_size) {
+  switch (head_size) {
+#define TPKIT_CASE(H) case H:
+    TPKIT_FOR_EACH_HEAD_SIZE(TPKIT_CASE)
+#undef TPKIT_CASE
+    return true;
+    default:
+      return false;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int tpkit_paged_attention_supported(tpkit_dtype dtype, int head_size, int block_size) {
+  const bool dtype_ok = dtype == TPKIT_FLOAT16 || dtype == TPKIT_BFLOAT16 || dtype == TPKIT_FLOAT32;
+  const bool block_ok = block_size == 8 || block_size == 16 || block_size == 32;
+  return dtype_ok && block_ok && head_size_supported(head_size) ? 1 : 0;
+}
+
+const char* tpkit_paged_attention_supported_text(void) { return kSupportedText; }
+
+cudaError_t tpkit_paged_attention_plan(tpkit_paged_attention_args* a) {
+  if (!tpkit_paged_attention_supported(a->dtype, a->head_size, a->block_size) || a->num_kv_heads <= 0 ||
+      a->num_heads % a->num_kv_heads != 0) {
+    return cudaErrorInvalidValue;
+  }
+  a->group_size = a->num_heads / a->num_kv_heads;
+  int log2 = 0;
+  while ((1 << log2) < a->block_size) ++log2;
+  a->block_size_log2 = log2;
+  a->scale_log2 = a->scale * tpkit::kLog2e;
+  a->cluster_merge = 0;
+  a->tmp_out = nullptr;
+  a->tmp_lse = nullptr;
+  cudaError_t err;
+  switch (a->dtype) {
+    case TPKIT_FLOAT16: err = tpkit::plan_float16(a); break;
+    case TPKIT_BFLOAT16: err = tpkit::plan_bfloat16(a); break;
+    default: err = tpkit::plan_float32(a); break;
+  }
+  // A failed runtime query also sets the thread's last error: clear it so that it is not reported later by
+  // an unrelated launch (ours or the framework's).
+  if (err != cudaSuccess) cudaGetLastError();
+  return err;
+}
+
+cudaError_t tpkit_paged_attention_launch(const tpkit_paged_attention_args* a, cudaStream_t stream) {
+  if (a->num_seqs == 0) return cudaSuccess;
+  if (a->num_partitions > 1 && !a->cluster_merge && (a->tmp_out == nullptr || a->tmp_lse == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
+  switch (a->dtype) {
+    case TPKIT_FLOAT16: return tpkit::launch_float16(a, stream);
+    case TPKIT_BFLOAT16: return tpkit::launch_bfloat16(a, stream);
+    default: return tpkit::launch_float32(a, stream);
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,36 @@
+// C interface of tpkit's cache write: raw pointers, sizes, strides (in elements) and a CUDA stream. No torch:
+// the binding (binding.cpp) checks tensors and fills the struct.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// Copies new tokens' K and V into the caches: slot = block * block_size + offset; a negative slot (padding)
+// and a slot past the cache are skipped. Strides in elements; every last dim contiguous.
+typedef struct {
+  const void* key;    // [num_tokens, num_kv_heads, head_size]
+  const void* value;  // [num_tokens, num_kv_heads, head_size]
+  void* key_cache;    // [num_blocks, block_size, num_kv_heads, head_size]
+  void* value_cache;
+  const int64_t* slot_mapping;  // [num_tokens]
+  int num_tokens;
+  int num_kv_heads;
+  int head_size;
+  int block_size;
+  int64_t num_blocks;
+  int elem_size;  // bytes per element
+  int64_t key_stride_token, key_stride_head;
+  int64_t value_stride_token, value_stride_head;
+  int64_t kc_stride_block, kc_stride_token, kc_stride_head;
+  int64_t vc_stride_block, vc_stride_token, vc_stride_head;
+} tpkit_reshape_and_cache_args;
+
+cudaError_t tpkit_reshape_and_cache_launch(const tpkit_reshape_and_cache_args* args, cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
