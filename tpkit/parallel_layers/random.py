@@ -36,7 +36,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 
-from .state import TPGroup, _resolve_tp_group
+from .state import TPGroup, _on_destroy, _resolve_tp_group
 
 # Keeps the per-rank seeds (seed + offset + tp_rank) away from the shared seed and its neighbours.
 _TP_SEED_OFFSET = 2718
@@ -167,3 +167,6 @@ def _forget_tensor_parallel_rng() -> None:
     """Drops the seeded state (the group it was seeded for is gone)."""
     global _tp_states, _forked
     _tp_states, _forked = None, False
+
+
+_on_destroy.append(_forget_tensor_parallel_rng)

@@ -117,6 +117,9 @@ def _weak(group: dist.ProcessGroup) -> Callable[[], dist.ProcessGroup | None]:
 
 
 _SINGLE_PROCESS = TPGroup(None, 0, 1)
+# What destroy_tensor_parallel calls to drop state seeded for the group: modules that keep such state
+# (random.py's generator states) add their function here, so this module imports none of them.
+_on_destroy: list[Callable[[], None]] = []
 
 # The group of init_tensor_parallel, and what it created itself (only those are destroyed again).
 _tp_group: TPGroup | None = None
@@ -236,10 +239,9 @@ def destroy_tensor_parallel() -> None:
 
     A no-op when tensor parallelism is not initialised.
     """
-    from .random import _forget_tensor_parallel_rng  # random imports this module
-
     global _tp_group, _created_group, _created_default_group
-    _forget_tensor_parallel_rng()
+    for forget in _on_destroy:
+        forget()
     created_group, created_default = _created_group, _created_default_group
     _tp_group, _created_group, _created_default_group = None, None, False
     if (created_default or created_group is not None) and _distributed_ready():
