@@ -72,9 +72,9 @@ def _child(path: str, name: str, loads: int, device: str) -> None:
 
     import torch
 
-    from tpkit.loaders import _direct_copy, iter_weights, lazy_tensor, load, resolve_checkpoint
+    from tpkit.loaders import _direct_copy, _staging, iter_weights, lazy_tensor, load, resolve_checkpoint
     from tpkit.models import LlamaForCausalLM, auto, from_pretrained
-    from tpkit.parallel_layers import _loading, init_tensor_parallel
+    from tpkit.parallel_layers import init_tensor_parallel
 
     stats: dict[str, tuple[int, float]] = {}
     lock = threading.Lock()
@@ -100,7 +100,7 @@ def _child(path: str, name: str, loads: int, device: str) -> None:
     _direct_copy._MappedFile.drop_pages = timed("drop_pages", _direct_copy._MappedFile.drop_pages)
     if os.environ.get("PROFILE_MAX_PINNED_MIB"):
         _direct_copy._MAX_PINNED_BYTES = int(os.environ["PROFILE_MAX_PINNED_MIB"]) * 2**20
-    _loading._copy_into = timed("staged _copy_into", _loading._copy_into)
+    _staging.copy_into = timed("staged _copy_into", _staging.copy_into)
     handle = lazy_tensor._SafetensorsTensor
     handle._full = timed("_full", handle._full)
     handle._take = timed("_take", handle._take)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from . import _direct_copy
+from . import _direct_copy, _staging
 from .errors import CheckpointError
 
 __all__ = ["LazyTensor", "bytes_read", "reset_bytes_read"]
@@ -144,10 +144,12 @@ class LazyTensor(ABC):
         Into a GPU, a part of 1 MiB or more of a safetensors file is copied by DMA from the page cache,
         page-locked in place, so the host's CPU never copies its bytes: a contiguous part straight into a
         contiguous dst of its dtype, any other (a column shard, a cast) by its span into a GPU buffer, taken
-        from there on the GPU (``TPKIT_LOAD_DMA=0`` turns this off). ``part`` was counted by
-        :func:`bytes_read` when it was taken; this counts nothing.
+        from there on the GPU (``TPKIT_LOAD_DMA=0`` turns this off). Any other part of 1 MiB or more from
+        host memory into a GPU goes through page-locked buffers, so that reading it overlaps the transfer
+        (``TPKIT_LOAD_PINNED=0`` turns this off). ``part`` was counted by :func:`bytes_read` when it was
+        taken; this counts nothing.
         """
-        return False
+        return _staging.copy_into(dst, part)
 
     def _take(self, part: torch.Tensor) -> torch.Tensor:
         if self._counts_reads():
@@ -201,7 +203,7 @@ class _SafetensorsTensor(LazyTensor):
 
     def copy_to(self, dst: torch.Tensor, part: torch.Tensor) -> bool:
         if not _direct_copy.worth_it(dst, part):
-            return False
+            return super().copy_to(dst, part)
         _direct_copy.copy_file_view(dst, self.file, self._file_offset(part), part)
         return True
 
@@ -233,6 +235,13 @@ class _InMemoryTensor(LazyTensor):
 
     def _full(self) -> torch.Tensor:
         return self._tensor
+
+
+class _GivenTensor(_InMemoryTensor):
+    """A tensor handed to ``load_weights`` as it is: in memory already, so taking it counts no bytes read."""
+
+    def _counts_reads(self) -> bool:
+        return False
 
 
 class _MetaTensor(LazyTensor):

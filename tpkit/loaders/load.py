@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 
 from . import _direct_copy
 from .errors import WeightsMismatchError
-from .lazy_tensor import LazyTensor, _MetaTensor, bytes_read
+from .lazy_tensor import LazyTensor, _GivenTensor, _MetaTensor, bytes_read
 
 __all__ = ["default_weight_loader", "load_weights"]
 
@@ -148,7 +148,7 @@ class _Load:
 
     @property
     def file(self) -> Path | None:
-        return self.weight.file if isinstance(self.weight, LazyTensor) else None
+        return self.weight.file
 
     def describe(self) -> str:
         shard = "" if self.shard is None else f" (shard {self.shard!r})"
@@ -486,4 +486,6 @@ def _check_entry(position: int, entry: object) -> tuple[str, Weight]:
             and isinstance(entry[1], (LazyTensor, torch.Tensor))):
         raise TypeError(f"weights[{position}]: expected a (name: str, tensor or LazyTensor) pair, received "
                         f"{type(entry).__name__}")
-    return entry
+    name, weight = entry
+    # A tensor as a handle too: the weight loaders then copy every weight the handles' way (copy_to).
+    return name, weight if isinstance(weight, LazyTensor) else _GivenTensor(name, weight, None)
