@@ -91,7 +91,7 @@ def test_llama3_inverse_frequencies_match_transformers():
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from tpkit.models.rope import inverse_frequencies, rope_parameters
+    from tpkit.ops import inverse_frequencies, rope_parameters
 
     transformers4 = {"max_position_embeddings": 8192, "rope_theta": 500000.0,
                      "rope_scaling": {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}
@@ -107,7 +107,7 @@ def test_llama3_inverse_frequencies_match_transformers():
 
 
 def test_unsupported_rope_type_is_a_clear_error():
-    from tpkit.models.rope import inverse_frequencies
+    from tpkit.ops import inverse_frequencies
 
     with pytest.raises(ValueError, match="'yarn' is not supported; supported: default, linear, llama3"):
         inverse_frequencies(16, {"rope_type": "yarn", "rope_theta": 10000.0})

@@ -8,7 +8,8 @@ from tpkit.models.auto import MODEL_CLASSES, from_pretrained, model_class
 from tpkit.models.bart import BartForConditionalGeneration
 from tpkit.models.generation import PagedDecoderOnlyLM, PagedLM
 from tpkit.models.gpt_bigcode import GPTBigCodeForCausalLM
-from tpkit.models.llama import LlamaForCausalLM, RMSNorm
+from tpkit.models.llama import LlamaForCausalLM
+from tpkit.ops import RMSNorm  # where Llama's norm lives; importable from here too
 
 __all__ = [
     "MODEL_CLASSES",

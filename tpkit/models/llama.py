@@ -11,7 +11,7 @@ o_proj), tied or untied embeddings, and in training ``attention_dropout`` (with 
 Where it can, a decode step on one GPU runs a layer as its four products and attention, five kernels:
 RoPE and the cache write in qkv_proj's epilogue, SwiGLU in gate_up_proj's, and each RMSNorm split between
 the product before it (which also adds the residual) and the one after it
-(``tpkit.attention.decode_linear_residual_norm``).
+(``tpkit.ops.decode_linear_residual_norm``).
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ from tpkit.loaders import load_weights
 from tpkit.models.activations import get_activation
 from tpkit.models.dropout import attend
 from tpkit.models.generation import PagedDecoderOnlyLM, parse_eos_token_ids
-from tpkit.models.rope import RotaryEmbedding, rope_parameters
 from tpkit.models.sequence_parallel import check_sequence_parallel, exit_sequence_parallel, mark_norms
 from tpkit.ops import (
+    RMSNorm,
+    RotaryEmbedding,
     apply_rms_sums,
     apply_rotary,
     decode_kernel_applies,
@@ -38,6 +39,7 @@ from tpkit.ops import (
     decode_linear_residual_norm,
     decode_linear_silu_and_mul,
     decode_qkv_rope_cache,
+    rope_parameters,
 )
 from tpkit.parallel_layers import (
     MergedColumnParallelLinear,
@@ -47,19 +49,6 @@ from tpkit.parallel_layers import (
     VocabParallelEmbedding,
     set_linear_op,
 )
-
-
-class RMSNorm(nn.Module):
-    """transformers' LlamaRMSNorm (normalised in float32), as one fused op where torch has one."""
-
-    def __init__(self, hidden_size: int, eps: float, *, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):

@@ -12,38 +12,12 @@ which synchronises with the device.
 """
 
 import math
-import os
-from collections.abc import Callable
 
 import torch
 
+from tpkit.ops._checks import _FLOAT_DTYPES, _check_devices, _check_same, _check_tensor
+from tpkit.ops._library import _define_op
 from tpkit.ops.paged_attention_reference import paged_attention_reference, reshape_and_cache_reference
-
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_HALF_DTYPES = (torch.float16, torch.bfloat16)  # what the decode linear and element-wise kernels take
-
-
-def _debug_enabled() -> bool:
-    return os.environ.get("TPKIT_DEBUG", "") not in ("", "0")
-
-
-def _check_tensor(op: str, name: str, tensor: object, *, dim: int, dtypes: tuple[torch.dtype, ...]) -> None:
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{op}: {name}: expected a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dim() != dim:
-        raise ValueError(f"{op}: {name}: expected {dim} dimensions, got shape {list(tensor.shape)}")
-    if tensor.dtype not in dtypes:
-        expected = dtypes[0] if len(dtypes) == 1 else f"one of {list(dtypes)}"
-        raise TypeError(f"{op}: {name}: expected dtype {expected}, got {tensor.dtype}")
-    # Kernels read the innermost dimension with vector loads; other strides are passed to them.
-    if tensor.shape[-1] > 1 and tensor.stride(-1) != 1:
-        raise ValueError(f"{op}: {name}: expected a contiguous last dimension (stride 1), got strides "
-                         f"{list(tensor.stride())}")
-
-
-def _check_same(op: str, name: str, what: str, expected: object, got: object) -> None:
-    if expected != got:
-        raise ValueError(f"{op}: {name}: expected {what} {expected}, got {got}")
 
 
 def _check_caches(op: str, key_cache: torch.Tensor, value_cache: torch.Tensor, dtype: torch.dtype) -> None:
@@ -51,13 +25,6 @@ def _check_caches(op: str, key_cache: torch.Tensor, value_cache: torch.Tensor, d
     _check_tensor(op, "value_cache", value_cache, dim=4, dtypes=(dtype,))
     _check_same(op, "value_cache", "shape (that of key_cache)", list(key_cache.shape),
                 list(value_cache.shape))
-
-
-def _check_devices(op: str, reference_name: str, reference: torch.Tensor, **tensors: torch.Tensor) -> None:
-    for name, tensor in tensors.items():
-        if tensor.device != reference.device:
-            raise ValueError(f"{op}: {name}: expected device {reference.device} (the device of "
-                             f"{reference_name}), got {tensor.device}")
 
 
 def _check_paged_attention(
@@ -149,58 +116,6 @@ def _check_slot_values(key_cache: torch.Tensor, slot_mapping: torch.Tensor) -> N
         raise ValueError(f"reshape_and_cache: slot_mapping[{i}]: expected a slot below num_blocks * "
                          f"block_size = {num_slots} (or negative to skip), got {int(slot_mapping[i])} "
                          f"(TPKIT_DEBUG check)")
-
-
-# The ops' library. Defined through ``torch.library.Library`` rather than ``torch.library.custom_op``:
-# custom_op's Python dispatch layer costs about 40 us a call on the host (measured on CPU, torch 2.13),
-# which an eager decode step of a 32-layer model pays 64 times.
-_lib = torch.library.Library("tpkit", "DEF")
-
-
-def _define_op(
-    name: str,
-    schema: str,
-    mutates_args: tuple[str, ...],
-    check: Callable[..., None],
-    reference_impl: Callable[..., None],
-) -> None:
-    """Defines ``tpkit::<name>`` with its default (PyTorch), CUDA and fake implementations.
-
-    Each implementation takes the op's arguments in schema order. ``check`` validates them, reading
-    device memory only with ``read_values=True``. The CUDA implementation calls ``_extension.<name>``, which
-    returns False where the kernel cannot be built here (it warns once itself), and then runs the PyTorch
-    implementation on the GPU.
-    """
-    mutated = [i for i, arg in enumerate(_schema_args(schema)) if arg in mutates_args]
-
-    def default_impl(*args: object) -> None:
-        check(*args, read_values=_debug_enabled())
-        reference_impl(*args)
-
-    def cuda_impl(*args: object) -> None:
-        check(*args, read_values=_debug_enabled())
-        # Imported here so that CPU-only use never touches the extension.
-        from tpkit.ops import _extension
-
-        if getattr(_extension, name)(*args):
-            # The kernel writes through raw pointers: bump the written tensors' version counters, as the
-            # PyTorch implementation's in-place ops do, so autograd sees the mutation.
-            for i in mutated:
-                torch.autograd.graph.increment_version(args[i])
-        else:
-            reference_impl(*args)
-
-    _lib.define(name + schema)
-    _lib.impl(name, default_impl, "CompositeExplicitAutograd")
-    _lib.impl(name, cuda_impl, "CUDA")
-    # The ops return nothing: the fake implementation only validates, so bad shapes fail while tracing.
-    torch.library.register_fake(f"tpkit::{name}", check, lib=_lib)
-
-
-def _schema_args(schema: str) -> list[str]:
-    """Argument names of a schema ``(Type name, ...) -> ...``, in order."""
-    inside = schema[schema.index("(") + 1:schema.index(") ->")]
-    return [arg.split()[-1] for arg in inside.split(",")]
 
 
 _define_op(

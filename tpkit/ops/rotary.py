@@ -1,17 +1,95 @@
-"""RoPE's rotation of a head's features (the NeoX / HuggingFace layout), shared by the models and by the
-decode kernel's reference (``tpkit.ops.linear``).
+"""Rotary position embedding (RoPE): HuggingFace's frequency schedules, a cached cos/sin table, and the
+rotation of a head's features (the NeoX / HuggingFace layout), shared by the models and by the decode
+kernel's reference (``tpkit.ops.linear``).
 
 On the GPU (float16, bfloat16, no gradient wanted) the rotation is one kernel, ``torch.ops.tpkit.rotary``,
-where the expression is seven (two products and a sum for each half, and the concatenation): a Llama-3-8B
-prefill of 8 x 128 tokens runs it once a layer. The kernel rounds each product and sum to the dtype as the
-expression does, so both give the same values.
+where the expression is seven (two products and a sum for each half, and the concatenation). The kernel
+rounds each product and sum to the dtype as the expression does, so both give the same values.
 """
 
 from __future__ import annotations
 
-import torch
+import math
+from collections.abc import Mapping
+from typing import Any
 
-from tpkit.ops.paged_attention import _FLOAT_DTYPES, _HALF_DTYPES, _check_tensor, _define_op
+import torch
+from torch import nn
+
+from tpkit.ops._checks import _FLOAT_DTYPES, _HALF_DTYPES, _check_tensor
+from tpkit.ops._library import _define_op
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_parameters(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The RoPE settings of a config.json as transformers 5 spells them (``rope_parameters``).
+
+    transformers 4 wrote ``rope_theta`` at the top level and the scaling under ``rope_scaling`` (with
+    ``type`` or ``rope_type``); transformers 5 writes one ``rope_parameters`` dict. Both give the same result.
+    """
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    params.setdefault("rope_type", params.pop("type", "default"))
+    params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    if params["rope_type"] == "llama3":
+        params.setdefault("original_max_position_embeddings", config["max_position_embeddings"])
+    return params
+
+
+def inverse_frequencies(head_size: int, params: Mapping[str, Any]) -> torch.Tensor:
+    """float32 ``[head_size // 2]`` inverse frequencies, computed exactly as transformers computes them."""
+    rope_type = params["rope_type"]
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        supported = ", ".join(SUPPORTED_ROPE_TYPES)
+        raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {supported}")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"partial_rotary_factor must be 1.0, got {params['partial_rotary_factor']}")
+    base = params["rope_theta"]
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_size, 2, dtype=torch.int64).float() / head_size))
+    if rope_type == "linear":
+        return inv_freq / params["factor"]
+    if rope_type == "llama3":
+        factor = params["factor"]
+        low_freq_factor = params["low_freq_factor"]
+        high_freq_factor = params["high_freq_factor"]
+        old_context_len = params["original_max_position_embeddings"]
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are slowed down by `factor`, short ones kept, the band between interpolated.
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin for every position up to ``max_position``, computed once; ``forward`` only gathers rows.
+
+    The table is float32 and half the head wide (the two halves of a head share frequencies). A step looks
+    its positions up once (:meth:`cos_sin`) and every layer reuses the result in
+    :func:`apply_rotary`.
+    """
+
+    def __init__(self, head_size: int, max_position: int, params: Mapping[str, Any], *,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        inv_freq = inverse_frequencies(head_size, params)
+        positions = torch.arange(max_position, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_position, head_size // 2]
+        self.head_size = head_size
+        self.max_position = max_position
+        self.register_buffer("cos_cache", freqs.cos().to(device), persistent=False)
+        self.register_buffer("sin_cache", freqs.sin().to(device), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions int ``[batch, seq]`` -> cos, sin ``[batch, seq, 1, head_size // 2]`` in ``dtype``."""
+        # Cast before use, like transformers: in bf16 the rotation is then rounded the same way.
+        cos = self.cos_cache[positions].to(dtype).unsqueeze(2)
+        sin = self.sin_cache[positions].to(dtype).unsqueeze(2)
+        return cos, sin
 
 
 def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
