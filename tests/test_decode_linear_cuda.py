@@ -3,7 +3,7 @@
 Skipped without a GPU. The kernel is called directly through ``tpkit.ops._extension`` (which must build and
 take the tensors: a test fails rather than silently checking the F.linear fallback), for every split of
 ``in_features`` over a block's warps, and through ``decode_linear``: under ``torch.compile``, in a CUDA
-graph, in the fallbacks, and in a model's layers.
+graph, in the fallbacks, in a model's layers and in its fused decode step.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from cuda_graphs import capture
 
-from tpkit.models import LlamaForCausalLM
+from tpkit.models import LlamaForCausalLM, fused_decode
+from tpkit.models.fused_decode import fused_decode_applies
 from tpkit.ops import (
     _extension,
     apply_rotary,
@@ -232,14 +233,19 @@ def _small_llama_model() -> LlamaForCausalLM:
 
 @torch.no_grad()
 def test_llama_mlp_swiglu_in_the_product() -> None:
-    # The model's MLP with SwiGLU in gate_up_proj's kernel, compiled and in a CUDA graph, against the same
-    # MLP multiplying with F.linear and applying SwiGLU itself.
+    # The fused decode step's MLP, SwiGLU in gate_up_proj's kernel, compiled and in a CUDA graph, against the
+    # model's MLP multiplying with F.linear.
     mlp = _small_llama_model().layers[0].mlp
     x = torch.randn(8, 1, 1024, device="cuda", dtype=torch.bfloat16)
-    compiled = torch.compile(mlp, fullgraph=True)
+
+    def fused_mlp(x: torch.Tensor) -> torch.Tensor:
+        gate_up = mlp.gate_up_proj
+        return mlp.down_proj(decode_linear_silu_and_mul(x, gate_up.weight, gate_up.bias))
+
+    compiled = torch.compile(fused_mlp, fullgraph=True)
     fused = compiled(x)
     static_x = torch.zeros_like(x)
-    graph, static_out = capture(lambda: mlp(static_x))
+    graph, static_out = capture(lambda: fused_mlp(static_x))
     static_x.copy_(x)
     graph.replay()
     set_linear_op(mlp, F.linear)
@@ -429,22 +435,24 @@ def test_llama_decode_steps_with_the_norms_in_the_products() -> None:
     metadata = model._decode_metadata(caches, [0, 1, 2, 3])
     x = model.embed_tokens(tokens[:, None])
     before = [t.clone() for t in _cache_tensors(caches)]
-    assert model._norms_in_products(x, caches["self"], metadata["self"])
+    assert fused_decode_applies(model, x, caches["self"], metadata["self"])
     step = model._decode_step(tokens[:, None], metadata, caches).float()
     split_caches = [t.clone() for t in _cache_tensors(caches)]
     for t, saved in zip(_cache_tensors(caches), before, strict=True):
         t.copy_(saved)
+    model.fused_decode = False
     set_linear_op(model, F.linear)
-    assert not model._norms_in_products(x, caches["self"], metadata["self"])
+    assert not fused_decode_applies(model, x, caches["self"], metadata["self"])
     _assert_close(step, model._decode_step(tokens[:, None], metadata, caches).float(), torch.bfloat16)
     for t, got in zip(_cache_tensors(caches), split_caches, strict=True):
         _assert_close(got, t.float(), torch.bfloat16)
 
 
 @torch.inference_mode()
-def test_llama_decode_step_rope_and_cache_in_the_product() -> None:
-    # A decode step whose qkv_proj kernel rotates q, k and writes the cache, against the same step with
-    # F.linear products, the model's rotation and reshape_and_cache: logits and the caches written.
+def test_llama_decode_layers_rope_and_cache_in_the_product() -> None:
+    # The fused decode step's layers as they run at tp_size > 1 (RoPE and the cache write in qkv_proj's
+    # kernel, SwiGLU in gate_up_proj's, the norms as modules), here on one GPU, against the step with F.linear
+    # products through the layers' forward (the model's rotation and reshape_and_cache): logits and caches.
     model = _small_llama_model()
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (n,), generator=generator).tolist() for n in (5, 17, 33)]
@@ -452,13 +460,17 @@ def test_llama_decode_step_rope_and_cache_in_the_product() -> None:
     tokens = model._prefill(prompts, caches).argmax(-1)
     metadata = model._decode_metadata(caches, [0, 1, 2])
     before = [t.clone() for t in _cache_tensors(caches)]
-    assert model.layers[0].self_attn._rope_and_cache_in_product(caches["self"], metadata["self"])
-    fused = model._decode_step(tokens[:, None], metadata, caches).float()
+    x = model.embed_tokens(tokens[:, None])  # [batch, 1, hidden]
+    assert fused_decode_applies(model, x, caches["self"], metadata["self"])
+    cos, sin = model.rotary_emb.cos_sin((metadata["self"].seq_lens.long() - 1)[:, None], x.dtype)
+    for layer in model.layers:
+        x = fused_decode._layer(layer, x, cos, sin, caches["self"], metadata["self"])
+    fused = model.compute_logits(model.norm(x)[:, 0]).float()
     fused_caches = [t.clone() for t in _cache_tensors(caches)]
     for t, saved in zip(_cache_tensors(caches), before, strict=True):
         t.copy_(saved)
+    model.fused_decode = False
     set_linear_op(model, F.linear)
-    assert not model.layers[0].self_attn._rope_and_cache_in_product(caches["self"], metadata["self"])
     _assert_close(fused, model._decode_step(tokens[:, None], metadata, caches).float(), torch.bfloat16)
     for t, got in zip(_cache_tensors(caches), fused_caches, strict=True):
         _assert_close(got, t.float(), torch.bfloat16)

@@ -4,12 +4,15 @@ tests/test_decode_linear_cuda.py.)"""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from tpkit.models import LlamaForCausalLM
+from tpkit.models import LlamaForCausalLM, fused_decode
+from tpkit.models.fused_decode import fused_decode_applies
 from tpkit.ops import (
     apply_rms_sums,
     apply_rotary,
@@ -125,28 +128,23 @@ def test_decode_linear_flops_counted_as_f_linear() -> None:
 def test_models_hand_decode_linear_to_their_layers() -> None:
     config = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 64}
-    model = LlamaForCausalLM(config, tp_group=SINGLE)
-    users = [m for m in model.modules() if hasattr(m, "linear_op")]
-    # qkv, o, gate_up and down in each layer, and the head; gate_up with SwiGLU (the default SiLU).
-    assert len(users) == 4 * model.num_layers + 1
-    gate_ups = [layer.mlp.gate_up_proj for layer in model.layers]
-    assert all(m.linear_op is decode_linear_silu_and_mul for m in gate_ups)
-    assert all(m.linear_op is decode_linear for m in users if all(m is not g for g in gate_ups))
-    # Another activation: no SwiGLU in the product.
-    gelu = LlamaForCausalLM({**config, "hidden_act": "gelu"}, tp_group=SINGLE)
-    assert all(m.linear_op is decode_linear for m in gelu.modules() if hasattr(m, "linear_op"))
+    for hidden_act in ("silu", "gelu"):
+        model = LlamaForCausalLM({**config, "hidden_act": hidden_act}, tp_group=SINGLE)
+        users = [m for m in model.modules() if hasattr(m, "linear_op")]
+        # qkv, o, gate_up and down in each layer, and the head.
+        assert len(users) == 4 * model.num_layers + 1
+        assert all(m.linear_op is decode_linear for m in users)
 
 
-def test_llama_mlp_with_and_without_swiglu_in_the_product() -> None:
+def test_llama_mlp_is_swiglu() -> None:
     config = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 4,
               "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 64}
     mlp = LlamaForCausalLM(config, tp_group=SINGLE).layers[0].mlp
     x = torch.randn(2, 3, 64)
     w_gate, w_up = mlp.gate_up_proj.weight.detach().chunk(2)
     expected = F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), mlp.down_proj.weight)
-    fused = mlp(x)
-    set_linear_op(mlp, F.linear)  # the MLP now applies SwiGLU itself
-    torch.testing.assert_close(fused, expected)
+    torch.testing.assert_close(mlp(x), expected)
+    set_linear_op(mlp, F.linear)
     torch.testing.assert_close(mlp(x), expected)
 
 
@@ -262,62 +260,111 @@ def _cache_tensors(caches: dict) -> list[torch.Tensor]:
     return [t for cache in caches.values() for t in (*cache.key_caches, *cache.value_caches)]
 
 
-def test_llama_decode_step_with_the_norms_in_the_products_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The model's decode step with each RMSNorm split between the products around it (the ops' PyTorch paths,
-    # forced on the CPU), against the step with the norms as modules: logits and the caches written.
-    config = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 64,
-              "rms_norm_eps": 1e-5}
+def _llama_for_decode(num_layers: int, prompt_lens: tuple[int, ...]) -> tuple:
+    """A tiny Llama on the CPU, its norm weights random (not ones: they must land where they belong),
+    prefilled: (model, caches, tokens [batch], metadata) of its first decode step."""
+    config = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": num_layers,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
+              "max_position_embeddings": 64, "rms_norm_eps": 1e-5}
     torch.manual_seed(0)
     model = LlamaForCausalLM(config, tp_group=SINGLE)
     for name, param in model.named_parameters():
         if name.endswith("layernorm.weight") or name == "norm.weight":
-            param.data.uniform_(0.5, 1.5)  # not ones: the norm weights must land where they belong
-    prompts = [torch.randint(0, 128, (n,)).tolist() for n in (5, 9, 2)]
+            param.data.uniform_(0.5, 1.5)
+    prompts = [torch.randint(0, 128, (n,)).tolist() for n in prompt_lens]
     caches = model._reserve_kv_caches(model._plan_kv_cache([len(p) for p in prompts], 2))
-    calls = []
     with torch.no_grad():
         tokens = model._prefill(prompts, caches).argmax(-1)
-        metadata = model._decode_metadata(caches, [0, 1, 2])
+        metadata = model._decode_metadata(caches, list(range(len(prompts))))
+    return model, caches, tokens, metadata
+
+
+def _plain_and_fused_steps(model: LlamaForCausalLM, caches: dict, tokens: torch.Tensor, metadata: dict,
+                           fused_step: object) -> tuple:
+    """The decode step through the layers' forward (``fused_decode = False``) and through ``fused_step()``,
+    each from the same caches: (plain logits, its caches, fused logits, its caches)."""
+    with torch.no_grad():
         before = [t.clone() for t in _cache_tensors(caches)]
+        model.fused_decode = False
         plain = model._decode_step(tokens[:, None], metadata, caches)
         after_plain = [t.clone() for t in _cache_tensors(caches)]
         for t, saved in zip(_cache_tensors(caches), before, strict=True):
             t.copy_(saved)
-        monkeypatch.setattr("tpkit.models.llama.decode_kernel_applies", lambda *a: calls.append(a) or True)
-        split = model._decode_step(tokens[:, None], metadata, caches)
-    assert calls, "the split-norm path was not taken"
+        model.fused_decode = True
+        fused = fused_step()
+    return plain, after_plain, fused, _cache_tensors(caches)
+
+
+def test_llama_fused_decode_step_with_the_norms_in_the_products_on_cpu(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The fused decode step on one rank, each RMSNorm split between the products around it (the ops' PyTorch
+    # paths on the CPU), against the step through the layers' forward: logits and the caches written.
+    model, caches, tokens, metadata = _llama_for_decode(3, (5, 9, 2))
+    layers = []
+    layer_step = fused_decode._layer_norms_in_products
+    monkeypatch.setattr(fused_decode, "_layer_norms_in_products",
+                        lambda layer, *args: layers.append(layer) or layer_step(layer, *args))
+    plain, after_plain, split, after_split = _plain_and_fused_steps(
+        model, caches, tokens, metadata, lambda: model._decode_step(tokens[:, None], metadata, caches))
+    assert layers == list(model.layers), "the split-norm step was not taken"
     torch.testing.assert_close(split, plain, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(_cache_tensors(caches), after_plain, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(after_split, after_plain, rtol=1e-5, atol=1e-5)
 
 
-def _tiny_decode_step(monkeypatch: pytest.MonkeyPatch, num_layers: int) -> tuple:
-    """A tiny Llama on the CPU that takes the decode kernels' path (their applicability patched), prefilled:
-    (model, caches, tokens [2], metadata) of its first decode step, with dynamo reset."""
-    config = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": num_layers,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
-              "max_position_embeddings": 64}
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config, tp_group=SINGLE)
-    prompts = [torch.randint(0, 128, (n,)).tolist() for n in (6, 3)]
-    caches = model._reserve_kv_caches(model._plan_kv_cache([len(p) for p in prompts], 2))
-    monkeypatch.setattr("tpkit.models.llama.decode_kernel_applies", lambda *a: True)
-    torch._dynamo.reset()
+def test_llama_fused_decode_layers_across_ranks_on_cpu() -> None:
+    # The fused decode step's layers as they run at tp_size > 1 (RoPE and the cache write in qkv_proj's
+    # product, SwiGLU in gate_up_proj's, the norms as modules), here on one rank, against the layers' forward.
+    model, caches, tokens, metadata = _llama_for_decode(2, (4, 7))
+    positions = (metadata["self"].seq_lens.long() - 1)[:, None]  # [batch, 1]
+
+    def fused_layers() -> torch.Tensor:
+        x = model.embed_tokens(tokens[:, None])  # [batch, 1, hidden]
+        cos, sin = model.rotary_emb.cos_sin(positions, x.dtype)
+        for layer in model.layers:
+            x = fused_decode._layer(layer, x, cos, sin, caches["self"], metadata["self"])
+        return model.compute_logits(model.norm(x)[:, 0])
+
+    plain, after_plain, fused, after_fused = _plain_and_fused_steps(model, caches, tokens, metadata,
+                                                                    fused_layers)
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(after_fused, after_plain, rtol=1e-6, atol=1e-6)
+
+
+def test_llama_fused_decode_switch() -> None:
+    # None: where the decode kernel takes the products (not on the CPU); True: every decode step without
+    # gradients; False: never. Never a prefill, nor a step that wants gradients.
+    model, caches, _, metadata = _llama_for_decode(1, (3, 2))
+    x = torch.empty(2, 1, 64)
+    prefill = dataclasses.replace(metadata["self"], is_prefill=True)
     with torch.no_grad():
-        tokens = model._prefill(prompts, caches).argmax(-1)
-        metadata = model._decode_metadata(caches, [0, 1])
+        assert not fused_decode_applies(model, x, caches["self"], metadata["self"])
+        model.fused_decode = True
+        assert fused_decode_applies(model, x, caches["self"], metadata["self"])
+        assert not fused_decode_applies(model, x, caches["self"], prefill)
+        assert not fused_decode_applies(model, x, None, None)
+        model.fused_decode = False
+        assert not fused_decode_applies(model, x, caches["self"], metadata["self"])
+    model.fused_decode = True
+    assert not fused_decode_applies(model, x, caches["self"], metadata["self"])  # gradients on
+
+
+def _tiny_decode_step(num_layers: int) -> tuple:
+    """A tiny Llama on the CPU that takes the fused decode step (``fused_decode = True``), prefilled:
+    (model, caches, tokens [2], metadata) of its first decode step, with dynamo reset."""
+    model, caches, tokens, metadata = _llama_for_decode(num_layers, (6, 3))
+    model.fused_decode = True
+    torch._dynamo.reset()
     return model, caches, tokens, metadata
 
 
-def test_llama_decode_step_with_the_norms_in_the_products_compiles_without_graph_breaks(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_llama_fused_decode_step_compiles_without_graph_breaks() -> None:
     # generate(compile=True) compiles the decode step. A graph break inside a layer made dynamo compile that
     # layer's frame once per layer (the guards differ by layer) until its recompile limit (8), and run the
     # layers past it uncompiled; fullgraph=True fails on any break. Same logits as the eager step. (The step
-    # with the norms as modules, on one rank and two: tests/test_generate.py.)
-    model, caches, tokens, metadata = _tiny_decode_step(monkeypatch, 2)
+    # through the layers' forward, on one rank and two: tests/test_generate.py.)
+    model, caches, tokens, metadata = _tiny_decode_step(2)
     with torch.no_grad():
-        assert model._norms_in_products(torch.empty(2, 1, 64), caches["self"], metadata["self"])
+        assert fused_decode_applies(model, torch.empty(2, 1, 64), caches["self"], metadata["self"])
         # Both write the same k, v into the same slots: the second step sees the caches the first did.
         eager = model._decode_step(tokens[:, None], metadata, caches)
         compiled = torch.compile(model._decode_step, fullgraph=True, backend="eager")
@@ -352,7 +399,7 @@ def test_compiled_decode_step_computes_cos_and_sin_once(monkeypatch: pytest.Monk
     # kernels. The op's flexible_layout tag lets every layer read the same two.
     from torch._inductor.utils import run_and_get_code
 
-    model, caches, tokens, metadata = _tiny_decode_step(monkeypatch, 3)
+    model, caches, tokens, metadata = _tiny_decode_step(3)
     # The code, not a cached one: a cache key does not cover the op's tags.
     monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)
     with torch.no_grad():

@@ -8,10 +8,11 @@ o_proj), tied or untied embeddings, and in training ``attention_dropout`` (with 
 ``seed_tensor_parallel``) and, built with ``sequence_parallel=True``, sequence parallelism
 (``tpkit.models.sequence_parallel``).
 
-Where it can, a decode step on one GPU runs a layer as its four products and attention, five kernels:
-RoPE and the cache write in qkv_proj's epilogue, SwiGLU in gate_up_proj's, and each RMSNorm split between
-the product before it (which also adds the residual) and the one after it
-(``tpkit.ops.decode_linear_residual_norm``).
+The layers multiply with ``tpkit.ops.decode_linear``: tpkit's kernel for the few rows of a decode step on a
+GPU, ``F.linear`` everywhere else. A decode step where that kernel applies runs
+:mod:`tpkit.models.fused_decode` rather than the forward below: the same arithmetic, with RoPE, the cache
+write, SwiGLU and the norms folded into the products' kernels. ``model.fused_decode = False`` runs every
+step through the forward below.
 """
 
 from __future__ import annotations
@@ -27,20 +28,10 @@ from tpkit.attention import Attention, AttentionMetadata, PagedKVCache
 from tpkit.loaders import load_weights
 from tpkit.models.activations import get_activation
 from tpkit.models.dropout import attend
+from tpkit.models.fused_decode import fused_decode_applies, fused_decode_step
 from tpkit.models.generation import PagedDecoderOnlyLM, parse_eos_token_ids
 from tpkit.models.sequence_parallel import check_sequence_parallel, exit_sequence_parallel, mark_norms
-from tpkit.ops import (
-    RMSNorm,
-    RotaryEmbedding,
-    apply_rms_sums,
-    apply_rotary,
-    decode_kernel_applies,
-    decode_linear,
-    decode_linear_residual_norm,
-    decode_linear_silu_and_mul,
-    decode_qkv_rope_cache,
-    rope_parameters,
-)
+from tpkit.ops import RMSNorm, RotaryEmbedding, apply_rotary, decode_linear, rope_parameters, silu_and_mul
 from tpkit.parallel_layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -70,8 +61,6 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: PagedKVCache | None,
                 metadata: AttentionMetadata | None) -> torch.Tensor:
-        if self._rope_and_cache_in_product(kv_cache, metadata):
-            return self.o_proj(self.decode_attention(x, cos, sin, kv_cache, metadata))
         qkv = self.qkv_proj(x)  # [batch, seq, q_size + 2 * kv_size]: every token, also sequence-parallel
         batch, seq = qkv.shape[:2]
         # q and k heads side by side: one rotation for both.
@@ -82,26 +71,6 @@ class LlamaAttention(nn.Module):
         out = attend(self.attn, q, k, v, dropout_p=self.attention_dropout, tp_size=self.o_proj.tp_size,
                      kv_cache=kv_cache, layer_idx=self.layer_idx, metadata=metadata)
         return self.o_proj(out)
-
-    def decode_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: PagedKVCache,
-                         metadata: AttentionMetadata, rms_sums: torch.Tensor | None = None,
-                         eps: float = 0.0) -> torch.Tensor:
-        """A decode step's attention before o_proj, [batch, 1, hidden] -> [batch, 1, q_size]: qkv_proj's
-        kernel rotates q and k and writes k and v into the cache itself (two kernels fewer a layer), and
-        attention reads them from there. With ``rms_sums``, ``x`` is the first half of the input norm and
-        the product does the second (``decode_qkv_rope_cache``)."""
-        caches = kv_cache.key_caches[self.layer_idx], kv_cache.value_caches[self.layer_idx]
-        # [batch, 1, q_size + 2 * kv_size]
-        qkv = decode_qkv_rope_cache(x, self.qkv_proj.weight, self.qkv_proj.bias, cos, sin, *caches,
-                                    metadata.slot_mapping, self.num_heads, rms_sums, eps)
-        return self.attn(qkv[..., : self.q_size], None, None, kv_cache=kv_cache, layer_idx=self.layer_idx,
-                         metadata=metadata)
-
-    def _rope_and_cache_in_product(self, kv_cache: PagedKVCache | None,
-                                   metadata: AttentionMetadata | None) -> bool:
-        """A decode step, inference only, with the model's decode products (not F.linear or another op)."""
-        return (kv_cache is not None and metadata is not None and not metadata.is_prefill
-                and self.qkv_proj.linear_op is decode_linear and not torch.is_grad_enabled())
 
 
 class LlamaMLP(nn.Module):
@@ -115,10 +84,10 @@ class LlamaMLP(nn.Module):
         self.act = get_activation(config.get("hidden_act", "silu"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj.linear_op is decode_linear_silu_and_mul:
-            # The product applies SwiGLU itself (in the decode kernel's epilogue on GPUs).
-            return self.down_proj(self.gate_up_proj(x))  # via [batch, seq, intermediate_size / tp_size]
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each [batch, seq, intermediate_size / tp_size]
+        gate_up = self.gate_up_proj(x)  # [batch, seq, 2 * intermediate_size / tp_size]: gate, then up
+        if self.act is F.silu:
+            return self.down_proj(silu_and_mul(gate_up))  # SwiGLU, one kernel on GPUs
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -138,26 +107,6 @@ class LlamaDecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, metadata)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def decode_norms_in_products(self, x: torch.Tensor, normed: torch.Tensor, input_sums: torch.Tensor,
-                                 post_sums: torch.Tensor, next_norm_weight: torch.Tensor, cos: torch.Tensor,
-                                 sin: torch.Tensor, kv_cache: PagedKVCache,
-                                 metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`forward` of a decode step on one rank, each RMSNorm split between the products around it.
-
-        x: the residual stream [batch, 1, hidden]; normed: ``x * input_layernorm.weight``; input_sums: the
-        rows' sums of ``x ** 2``, float64 [batch]; post_sums: zero, float64 [batch]. Returns the next layer's
-        ``(x, normed)``, normed by ``next_norm_weight``, with input_sums its sums and post_sums zero again.
-        """
-        o_proj, gate_up, down = self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj
-        post_norm = self.post_attention_layernorm
-        out = self.self_attn.decode_attention(normed, cos, sin, kv_cache, metadata, input_sums,
-                                              self.input_layernorm.eps)
-        x, normed = decode_linear_residual_norm(out, o_proj.weight, o_proj.bias, x, post_norm.weight,
-                                                post_sums, input_sums)
-        hidden = decode_linear_silu_and_mul(normed, gate_up.weight, gate_up.bias, post_sums, post_norm.eps)
-        return decode_linear_residual_norm(hidden, down.weight, down.bias, x, next_norm_weight, input_sums,
-                                           post_sums)
-
 
 class LlamaForCausalLM(PagedDecoderOnlyLM):
     """Llama / Qwen2 from a HuggingFace config.json dict, this rank's shard of it.
@@ -165,6 +114,11 @@ class LlamaForCausalLM(PagedDecoderOnlyLM):
     Parameters are randomly initialised; :meth:`load_weights` (or :func:`tpkit.models.from_pretrained`)
     loads a HuggingFace checkpoint.
     """
+
+    # Decode steps on the fused kernels (tpkit.models.fused_decode): None (the default) where tpkit's decode
+    # kernel takes the step's products, True at every decode step without gradients (the fused ops'
+    # PyTorch expressions where the kernels do not run), False never (every step through the layers).
+    fused_decode: bool | None = None
 
     # (param_name, checkpoint_name, loaded_shard_id): checkpoint tensors that land in one stacked parameter.
     stacked_params_mapping = (
@@ -216,12 +170,8 @@ class LlamaForCausalLM(PagedDecoderOnlyLM):
         self.head_size = attention.head_size
         self.rotary_emb = RotaryEmbedding(self.head_size, self.max_positions, rope_parameters(config),
                                           device=device)
-        # A decode step's products (a few rows each) run tpkit's decode kernel on the GPU, F.linear elsewhere;
-        # with SiLU, gate_up_proj's applies SwiGLU too (one kernel fewer a layer).
+        # A decode step's products (a few rows each) run tpkit's decode kernel on the GPU, F.linear elsewhere.
         set_linear_op(self, decode_linear)
-        for layer in self.layers:
-            if layer.mlp.act is F.silu:
-                layer.mlp.gate_up_proj.linear_op = decode_linear_silu_and_mul
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       kv_cache: PagedKVCache | None = None,
@@ -230,39 +180,12 @@ class LlamaForCausalLM(PagedDecoderOnlyLM):
             check_sequence_parallel(input_ids, self.tp_group, kv_cache is not None)
         x = self.embed_tokens(input_ids)  # [batch, seq, hidden]; sequence-parallel [batch, seq / tp, hidden]
         cos, sin = self.rotary_emb.cos_sin(positions, x.dtype)  # every position's, for q and k of every token
-        if not self.sequence_parallel and self._norms_in_products(x, kv_cache, metadata):
-            return self._decode_norms_in_products(x, cos, sin, kv_cache, metadata)
+        if fused_decode_applies(self, x, kv_cache, metadata):
+            return fused_decode_step(self, x, cos, sin, kv_cache, metadata)
         for layer in self.layers:
             x = layer(x, cos, sin, kv_cache, metadata)
         x = self.norm(x)
         return exit_sequence_parallel(x, self.tp_group) if self.sequence_parallel else x
-
-    def _norms_in_products(self, x: torch.Tensor, kv_cache: PagedKVCache | None,
-                           metadata: AttentionMetadata | None) -> bool:
-        """A decode step on one rank (across ranks the residual add follows o_proj's and down_proj's
-        all-reduce) whose products all run tpkit's decode kernel, SwiGLU in gate_up_proj's."""
-        first = self.layers[0].self_attn
-        return (self.tp_group.size == 1 and first._rope_and_cache_in_product(kv_cache, metadata)
-                and decode_kernel_applies(x, first.qkv_proj.weight)
-                and all(layer.self_attn.qkv_proj.linear_op is decode_linear
-                        and layer.self_attn.o_proj.linear_op is decode_linear
-                        and layer.mlp.gate_up_proj.linear_op is decode_linear_silu_and_mul
-                        and layer.mlp.down_proj.linear_op is decode_linear for layer in self.layers))
-
-    def _decode_norms_in_products(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                                  kv_cache: PagedKVCache, metadata: AttentionMetadata) -> torch.Tensor:
-        """The decode step's layers with every RMSNorm split between the products around it: four kernels
-        a layer and attention, no norm kernels. [batch, 1, hidden] -> the final norm's output."""
-        # float64 [batch]: the rows' sums of squares of the residual stream, for the input norms and for the
-        # post-attention norms, two buffers that the products fill and zero in turn.
-        input_sums = x.float().square().sum(-1, dtype=torch.float64).flatten()
-        post_sums = torch.zeros_like(input_sums)
-        normed = x * self.layers[0].input_layernorm.weight
-        for i, layer in enumerate(self.layers):
-            next_norm = self.layers[i + 1].input_layernorm if i + 1 < self.num_layers else self.norm
-            x, normed = layer.decode_norms_in_products(x, normed, input_sums, post_sums, next_norm.weight,
-                                                       cos, sin, kv_cache, metadata)
-        return apply_rms_sums(normed, input_sums, self.norm.eps)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden_states)
