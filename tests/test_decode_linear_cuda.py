@@ -121,7 +121,7 @@ def test_bad_arguments_raise() -> None:
     x, w, _ = _operands(4, 64, 256, torch.bfloat16, bias=False)
     with pytest.raises(ValueError, match="weight"):
         _extension.decode_linear(torch.empty(4, 64, device="cuda", dtype=torch.bfloat16), x, w[:, :128], None)
-    with pytest.raises(ValueError, match="out: expected \\[4, 64\\]"):
+    with pytest.raises(ValueError, match="out: expected BFloat16 \\[4, 64\\]"):
         _extension.decode_linear(torch.empty(4, 32, device="cuda", dtype=torch.bfloat16), x, w, None)
     with pytest.raises(ValueError, match="bias"):
         _extension.decode_linear(torch.empty(4, 64, device="cuda", dtype=torch.bfloat16), x, w,
@@ -216,7 +216,7 @@ def test_silu_and_mul_declines_and_rejects() -> None:
     assert not _extension.decode_linear(out, x, w, b, 0, True)
     gate, up = F.linear(x, w, b).chunk(2, dim=-1)
     torch.testing.assert_close(decode_linear_silu_and_mul(x, w, b), F.silu(gate) * up)
-    with pytest.raises(ValueError, match="out: expected \\[4, 12\\]"):
+    with pytest.raises(ValueError, match="out: expected BFloat16 \\[4, 12\\]"):
         _extension.decode_linear(torch.empty(4, 24, device="cuda", dtype=torch.bfloat16), x, w, b, 0, True)
     with pytest.raises(ValueError, match="silu_and_mul: expected a weight of an even number of rows"):
         _extension.decode_linear(torch.empty(4, 11, device="cuda", dtype=torch.bfloat16), x, w[:23], None, 0,
@@ -331,7 +331,7 @@ def test_qkv_rope_cache_rejects_bad_arguments() -> None:
                               t["value_cache"], t["slot_mapping"], 5)
     with pytest.raises(ValueError, match=r"cos: expected BFloat16 \[4, 32\], got BFloat16 \[4, 16\]"):
         _extension.decode_qkv_rope_cache(out, **{**t, "cos": t["cos"][:, :16]}, num_heads=4)
-    with pytest.raises(ValueError, match=r"slot_mapping: expected int64 \[4\]"):
+    with pytest.raises(ValueError, match=r"slot_mapping: expected Long \[4\], got Int \[4\]"):
         _extension.decode_qkv_rope_cache(out, **{**t, "slot_mapping": t["slot_mapping"].int()}, num_heads=4)
 
 
@@ -398,12 +398,12 @@ def test_residual_norm_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match=r"residual: expected BFloat16 \[4, 64\], got BFloat16 \[4, 32\]"):
         _extension.decode_linear_residual_norm(out, normed, x, w, b, residual[:, :32], norm_weight, sums,
                                           zero_sums)
-    with pytest.raises(ValueError, match=r"sums: expected float64 \[4\], got BFloat16 \[4\]"):
+    with pytest.raises(ValueError, match=r"sums: expected Double \[4\], got BFloat16 \[4\]"):
         _extension.decode_linear_residual_norm(out, normed, x, w, b, residual, norm_weight, sums.bfloat16(),
                                           zero_sums)
     with pytest.raises(ValueError, match="zero_sums: expected another buffer than sums"):
-        _extension.decode_linear_residual_norm(out, normed, x, w, b, residual, norm_weight, sums, sums)
-    with pytest.raises(ValueError, match=r"rms_sums: expected float64 \[4\], got Double \[3\]"):
+        torch.ops.tpkit.decode_linear_residual_norm(x, w, b, residual, norm_weight, sums, sums)
+    with pytest.raises(ValueError, match=r"rms_sums: expected Double \[4\], got Double \[3\]"):
         _extension.decode_linear(out, x, w, b, rms_sums=sums[:3], eps=1e-5)
     with pytest.raises(ValueError, match=r"decode_linear_residual_norm: norm_weight: expected \(64,\)"):
         decode_linear_residual_norm(x, w, b, residual, norm_weight[:32], sums, zero_sums)

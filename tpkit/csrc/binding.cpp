@@ -1,7 +1,13 @@
 // Torch binding of tpkit's CUDA kernels (paged attention, the cache write, the decode linear, the prefill's
-// RoPE and SwiGLU): checks tensors, plans, allocates the split-K scratch from the shapes (so it is CUDA-graph
-// safe: the caching allocator serves it under capture too) and launches on the current stream. The kernels
-// themselves are torch-free (paged_attention.h, decode_linear.h, elementwise.h).
+// RoPE and SwiGLU): checks what the kernels rely on, plans, allocates the split-K scratch from the shapes (so
+// it is CUDA-graph safe: the caching allocator serves it under capture too) and launches on the current
+// stream. The kernels themselves are torch-free (paged_attention.h, decode_linear.h, elementwise.h).
+//
+// The rules of the public API, with their messages, are checked in Python (tpkit/ops) before a kernel is
+// called. Here a tensor is checked only for what reading or writing it through its pointer needs: its device,
+// dtype and sizes (check_tensor) and the strides and alignment the kernel assumes; a ValueError otherwise.
+// Where a kernel does not take tensors it could read safely (a dtype, a row count, a stride), the entry point
+// returns false and the caller runs the PyTorch implementation.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
@@ -19,9 +25,9 @@
 
 namespace {
 
-// Error messages are assembled with std::to_string and std::string only: in this extension, formatting
-// integers through std::ostream (c10::str, which TORCH_CHECK uses for several arguments) crashed on the
-// lent H200's image (torch 2.11, 2026-11-29), so TORCH_CHECK only ever gets one finished string.
+// Error messages are assembled with std::to_string and std::string only, and TORCH_CHECK only ever gets one
+// finished string: formatting integers through std::ostream (c10::str, which TORCH_CHECK uses for several
+// arguments) is not reliable inside this extension across torch builds.
 std::string piece(const char* s) { return s; }
 std::string piece(const std::string& s) { return s; }
 std::string piece(int64_t v) { return std::to_string(v); }
@@ -43,6 +49,37 @@ std::string message(const Args&... args) {
     if (!(cond)) TORCH_CHECK_VALUE(false, message(__VA_ARGS__)); \
   } while (0)
 
+// Any size, in the sizes check_tensor expects.
+constexpr int64_t kAny = -1;
+
+std::string expected_sizes(std::initializer_list<int64_t> sizes) {
+  std::string s = "[";
+  for (auto it = sizes.begin(); it != sizes.end(); ++it) {
+    s += (it == sizes.begin() ? "" : ", ") + (*it == kAny ? std::string("*") : std::to_string(*it));
+  }
+  return s + "]";
+}
+
+// A tensor a kernel reaches through its pointer: on `device`, of `dtype`, and of `sizes` (kAny: any size).
+void check_tensor(const char* op, const char* name, const at::Tensor& t, const at::Device& device,
+                  at::ScalarType dtype, std::initializer_list<int64_t> sizes) {
+  TPKIT_CHECK_VALUE(t.device() == device, op, " (CUDA): ", name, ": expected device ", device, ", got ", t.device());
+  bool fits = t.scalar_type() == dtype && t.dim() == static_cast<int64_t>(sizes.size());
+  int64_t d = 0;
+  for (const int64_t size : sizes) {
+    fits = fits && (size == kAny || t.size(d) == size);
+    ++d;
+  }
+  TPKIT_CHECK_VALUE(fits, op, " (CUDA): ", name, ": expected ", dtype, " ", expected_sizes(sizes), ", got ",
+                    t.scalar_type(), " ", t.sizes());
+}
+
+// The device of the op's first tensor, which every other tensor must be on.
+at::Device cuda_device(const char* op, const char* name, const at::Tensor& t) {
+  TPKIT_CHECK_VALUE(t.is_cuda(), op, " (CUDA): ", name, ": expected a CUDA tensor, got ", t.device());
+  return t.device();
+}
+
 bool rows_16b_aligned(const at::Tensor& t) {
   if (t.stride(-1) != 1 || reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
   for (int64_t d = 0; d + 1 < t.dim(); ++d) {
@@ -55,11 +92,6 @@ tpkit_dtype to_tpkit_dtype(at::ScalarType t) {
   TPKIT_CHECK_VALUE(t == at::kHalf || t == at::kBFloat16 || t == at::kFloat, "paged_attention (CUDA): dtype ", t,
                     " is not supported; supported: ", tpkit_paged_attention_supported_text());
   return t == at::kHalf ? TPKIT_FLOAT16 : (t == at::kBFloat16 ? TPKIT_BFLOAT16 : TPKIT_FLOAT32);
-}
-
-void check_cuda(const char* op, const at::Tensor& t, const char* name, const at::Device& device) {
-  TPKIT_CHECK_VALUE(t.device() == device, op, " (CUDA): ", name, ": expected device ", device, ", got ",
-                    t.device());
 }
 
 void check_launch(cudaError_t err, const char* what) {
@@ -110,41 +142,24 @@ std::map<std::string, int64_t> plan(const at::Tensor& query, const at::Tensor& k
 void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                      double scale, const std::optional<at::Tensor>& alibi_slopes) {
-  TPKIT_CHECK_VALUE(query.is_cuda(), "paged_attention (CUDA): query: expected a CUDA tensor, got ", query.device());
-  const at::Device device = query.device();
-  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{out, "out"}, {key_cache, "key_cache"},
-                                {value_cache, "value_cache"}, {block_tables, "block_tables"},
-                                {seq_lens, "seq_lens"}}) {
-    check_cuda("paged_attention", t, name, device);
-  }
-  TPKIT_CHECK_VALUE(query.dim() == 3, "paged_attention (CUDA): query: expected [num_seqs, num_heads, head_size], got ",
-                    query.sizes());
-  TPKIT_CHECK_VALUE(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(),
-                    "paged_attention (CUDA): out: expected shape ", query.sizes(), " and dtype ",
-                    query.scalar_type(), ", got ", out.sizes(), " ", out.scalar_type());
-  TPKIT_CHECK_VALUE(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
-                    "paged_attention (CUDA): key_cache/value_cache: expected equal shapes [num_blocks, block_size, "
-                    "num_kv_heads, head_size], got ", key_cache.sizes(), " and ", value_cache.sizes());
-  TPKIT_CHECK_VALUE(key_cache.scalar_type() == query.scalar_type() && value_cache.scalar_type() == query.scalar_type(),
-                    "paged_attention (CUDA): caches: expected dtype ", query.scalar_type(), ", got ",
-                    key_cache.scalar_type(), " and ", value_cache.scalar_type());
+  const char* op = "paged_attention";
+  const at::Device device = cuda_device(op, "query", query);
+  const at::ScalarType scalar_type = query.scalar_type();
+  check_tensor(op, "query", query, device, scalar_type, {kAny, kAny, kAny});
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_size = query.size(2);
-  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
-  const tpkit_dtype dtype = to_tpkit_dtype(query.scalar_type());
-  TPKIT_CHECK_VALUE(key_cache.size(3) == head_size, "paged_attention (CUDA): key_cache: expected head_size ",
-                    head_size, " (dim 3), got ", key_cache.size(3));
+  check_tensor(op, "out", out, device, scalar_type, {num_seqs, num_heads, head_size});
+  check_tensor(op, "key_cache", key_cache, device, scalar_type, {kAny, kAny, kAny, head_size});
+  const int64_t num_blocks = key_cache.size(0), block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  check_tensor(op, "value_cache", value_cache, device, scalar_type, {num_blocks, block_size, num_kv_heads, head_size});
+  check_tensor(op, "block_tables", block_tables, device, at::kInt, {num_seqs, kAny});
+  check_tensor(op, "seq_lens", seq_lens, device, at::kInt, {num_seqs});
+  if (alibi_slopes.has_value()) check_tensor(op, "alibi_slopes", *alibi_slopes, device, at::kFloat, {num_heads});
+  const tpkit_dtype dtype = to_tpkit_dtype(scalar_type);
   TPKIT_CHECK_VALUE(tpkit_paged_attention_supported(dtype, static_cast<int>(head_size), static_cast<int>(block_size)),
                     "paged_attention (CUDA): head_size ", head_size, " with block_size ", block_size, " and dtype ",
-                    query.scalar_type(), " is not supported; supported: ", tpkit_paged_attention_supported_text());
+                    scalar_type, " is not supported; supported: ", tpkit_paged_attention_supported_text());
   TPKIT_CHECK_VALUE(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "paged_attention (CUDA): num_kv_heads ",
                     num_kv_heads, " must divide num_heads ", num_heads);
-  TPKIT_CHECK_VALUE(block_tables.dim() == 2 && block_tables.size(0) == num_seqs &&
-                        block_tables.scalar_type() == at::kInt,
-                    "paged_attention (CUDA): block_tables: expected int32 [num_seqs=", num_seqs,
-                    ", max_blocks_per_seq], got ", block_tables.scalar_type(), " ", block_tables.sizes());
-  TPKIT_CHECK_VALUE(seq_lens.dim() == 1 && seq_lens.size(0) == num_seqs && seq_lens.scalar_type() == at::kInt,
-                    "paged_attention (CUDA): seq_lens: expected int32 [num_seqs=", num_seqs, "], got ",
-                    seq_lens.scalar_type(), " ", seq_lens.sizes());
   TPKIT_CHECK_VALUE(num_seqs <= 65535 && num_heads <= 65535, "paged_attention (CUDA): at most 65535 sequences and "
                     "heads, got ", num_seqs, " and ", num_heads);
   TPKIT_CHECK_VALUE(rows_16b_aligned(key_cache) && rows_16b_aligned(value_cache),
@@ -157,13 +172,6 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
                     "paged_attention (CUDA): key_cache/value_cache: expected block and token strides under 2^31 "
                     "bytes, got strides ", key_cache.strides(), " and ", value_cache.strides(), " of ",
                     key_cache.element_size(), "-byte elements");
-  if (alibi_slopes.has_value()) {
-    const at::Tensor& s = *alibi_slopes;
-    check_cuda("paged_attention", s, "alibi_slopes", device);
-    TPKIT_CHECK_VALUE(s.dim() == 1 && s.size(0) == num_heads && s.scalar_type() == at::kFloat,
-                      "paged_attention (CUDA): alibi_slopes: expected float32 [num_heads=", num_heads, "], got ",
-                      s.scalar_type(), " ", s.sizes());
-  }
   if (num_seqs == 0) return;
 
   const c10::cuda::CUDAGuard guard(device);
@@ -219,27 +227,16 @@ void fill_cache_args(Args& a, at::Tensor& key_cache, at::Tensor& value_cache, co
 
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache, at::Tensor value_cache,
                        const at::Tensor& slot_mapping) {
-  TPKIT_CHECK_VALUE(key.is_cuda(), "reshape_and_cache (CUDA): key: expected a CUDA tensor, got ", key.device());
-  const at::Device device = key.device();
-  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{value, "value"}, {key_cache, "key_cache"},
-                                {value_cache, "value_cache"}, {slot_mapping, "slot_mapping"}}) {
-    TPKIT_CHECK_VALUE(t.device() == device, "reshape_and_cache (CUDA): ", name, ": expected device ", device,
-                      ", got ", t.device());
-  }
-  TPKIT_CHECK_VALUE(key.dim() == 3 && value.sizes() == key.sizes(), "reshape_and_cache (CUDA): key/value: expected "
-                    "equal shapes [num_tokens, num_kv_heads, head_size], got ", key.sizes(), " and ", value.sizes());
-  TPKIT_CHECK_VALUE(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes() &&
-                        key_cache.size(2) == key.size(1) && key_cache.size(3) == key.size(2),
-                    "reshape_and_cache (CUDA): caches: expected equal shapes [num_blocks, block_size, ", key.size(1),
-                    ", ", key.size(2), "], got ", key_cache.sizes(), " and ", value_cache.sizes());
-  TPKIT_CHECK_VALUE(value.scalar_type() == key.scalar_type() && key_cache.scalar_type() == key.scalar_type() &&
-                        value_cache.scalar_type() == key.scalar_type(),
-                    "reshape_and_cache (CUDA): expected one dtype for key, value and caches, got ", key.scalar_type(),
-                    ", ", value.scalar_type(), ", ", key_cache.scalar_type(), ", ", value_cache.scalar_type());
-  TPKIT_CHECK_VALUE(slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0) &&
-                        slot_mapping.scalar_type() == at::kLong,
-                    "reshape_and_cache (CUDA): slot_mapping: expected int64 [num_tokens=", key.size(0), "], got ",
-                    slot_mapping.scalar_type(), " ", slot_mapping.sizes());
+  const char* op = "reshape_and_cache";
+  const at::Device device = cuda_device(op, "key", key);
+  const at::ScalarType dtype = key.scalar_type();
+  check_tensor(op, "key", key, device, dtype, {kAny, kAny, kAny});
+  const int64_t num_tokens = key.size(0), num_kv_heads = key.size(1), head_size = key.size(2);
+  check_tensor(op, "value", value, device, dtype, {num_tokens, num_kv_heads, head_size});
+  check_tensor(op, "key_cache", key_cache, device, dtype, {kAny, kAny, num_kv_heads, head_size});
+  check_tensor(op, "value_cache", value_cache, device, dtype, {key_cache.size(0), key_cache.size(1), num_kv_heads,
+                                                               head_size});
+  check_tensor(op, "slot_mapping", slot_mapping, device, at::kLong, {num_tokens});
   TPKIT_CHECK_VALUE(key_cache.stride(-1) == 1 && value_cache.stride(-1) == 1,
                     "reshape_and_cache (CUDA): caches: expected a contiguous last dimension, got strides ",
                     key_cache.strides(), " and ", value_cache.strides());
@@ -273,28 +270,16 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 bool fill_decode_linear_args(tpkit_decode_linear_args& a, at::Tensor& out, const at::Tensor& input,
                              const at::Tensor& weight, const std::optional<at::Tensor>& bias, int64_t splits,
                              bool silu_and_mul) {
-  TPKIT_CHECK_VALUE(input.is_cuda(), "decode_linear (CUDA): input: expected a CUDA tensor, got ", input.device());
-  check_cuda("decode_linear", weight, "weight", input.device());
-  check_cuda("decode_linear", out, "out", input.device());
-  TPKIT_CHECK_VALUE(input.dim() == 2 && weight.dim() == 2 && weight.size(1) == input.size(1),
-                    "decode_linear (CUDA): expected input [num_rows, in_features] and weight [out_features, "
-                    "in_features], got ", input.sizes(), " and ", weight.sizes());
+  const char* op = "decode_linear";
+  const at::Device device = cuda_device(op, "input", input);
+  const at::ScalarType dtype = input.scalar_type();
+  check_tensor(op, "input", input, device, dtype, {kAny, kAny});
+  check_tensor(op, "weight", weight, device, dtype, {kAny, input.size(1)});
   TPKIT_CHECK_VALUE(!silu_and_mul || weight.size(0) % 2 == 0,
                     "decode_linear (CUDA): silu_and_mul: expected a weight of an even number of rows (gate, up), "
                     "got ", weight.sizes());
-  const int64_t out_features = silu_and_mul ? weight.size(0) / 2 : weight.size(0);
-  TPKIT_CHECK_VALUE(out.dim() == 2 && out.size(0) == input.size(0) && out.size(1) == out_features,
-                    "decode_linear (CUDA): out: expected [", input.size(0), ", ", out_features, "], got ", out.sizes());
-  const at::ScalarType dtype = input.scalar_type();
-  TPKIT_CHECK_VALUE(weight.scalar_type() == dtype && out.scalar_type() == dtype,
-                    "decode_linear (CUDA): expected one dtype for input, weight and out, got ", dtype, ", ",
-                    weight.scalar_type(), ", ", out.scalar_type());
-  if (bias.has_value()) {
-    check_cuda("decode_linear", *bias, "bias", input.device());
-    TPKIT_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == weight.size(0) && bias->scalar_type() == dtype,
-                      "decode_linear (CUDA): bias: expected ", dtype, " [", weight.size(0), "], got ",
-                      bias->scalar_type(), " ", bias->sizes());
-  }
+  check_tensor(op, "out", out, device, dtype, {input.size(0), silu_and_mul ? weight.size(0) / 2 : weight.size(0)});
+  if (bias.has_value()) check_tensor(op, "bias", *bias, device, dtype, {weight.size(0)});
   if ((dtype != at::kHalf && dtype != at::kBFloat16) || input.size(0) > TPKIT_DECODE_LINEAR_MAX_ROWS ||
       weight.size(0) > INT32_MAX || weight.size(1) > INT32_MAX || input.stride(1) != 1 || out.stride(1) != 1 ||
       !weight.is_contiguous() || (bias.has_value() && !bias->is_contiguous())) {
@@ -315,21 +300,13 @@ bool fill_decode_linear_args(tpkit_decode_linear_args& a, at::Tensor& out, const
   return true;
 }
 
-// A float64 [num_rows] buffer of the rows' sums of squares (an RMSNorm split across two products), on device.
-void check_row_sums(const char* op, const at::Tensor& t, const char* name, int64_t num_rows,
-                    const at::Device& device) {
-  check_cuda(op, t, name, device);
-  TPKIT_CHECK_VALUE(t.dim() == 1 && t.size(0) == num_rows && t.scalar_type() == at::kDouble, op, " (CUDA): ",
-                    name, ": expected float64 [", num_rows, "], got ", t.scalar_type(), " ", t.sizes());
-}
-
 // A consumer's half of an RMSNorm split across two products (decode_linear.h): each row's product times
 // rsqrt(rms_sums[m] / in_features + eps). rms_sums: float64 [num_rows]; none leaves the product as it is.
 // False where the kernel does not take the tensor.
 bool fill_rms_scale(tpkit_decode_linear_args& a, const std::optional<at::Tensor>& rms_sums, double eps,
                     const at::Device& device, const char* op) {
   if (!rms_sums.has_value()) return true;
-  check_row_sums(op, *rms_sums, "rms_sums", a.num_rows, device);
+  check_tensor(op, "rms_sums", *rms_sums, device, at::kDouble, {a.num_rows});
   if (!rms_sums->is_contiguous()) return false;
   a.rms_sums = rms_sums->data_ptr<double>();
   a.eps = static_cast<float>(eps);
@@ -358,7 +335,8 @@ bool decode_linear(at::Tensor out, const at::Tensor& input, const at::Tensor& we
 // The producer's half of an RMSNorm split across two products (decode_linear.h): out = residual + input @
 // weight^T (+ bias), normed = out * norm_weight, sums[m] += the sum of out[m]^2 (sums zero before), zero_sums
 // set to zero; false where the kernel does not take these tensors. out, residual, normed [num_rows,
-// out_features]; norm_weight [out_features]; sums, zero_sums float64 [num_rows], two buffers.
+// out_features]; norm_weight [out_features]; sums, zero_sums float64 [num_rows], two buffers (distinct: the op
+// checks that before the kernel runs).
 bool decode_linear_residual_norm(at::Tensor out, at::Tensor normed, const at::Tensor& input, const at::Tensor& weight,
                                  const std::optional<at::Tensor>& bias, const at::Tensor& residual,
                                  const at::Tensor& norm_weight, at::Tensor sums,
@@ -367,23 +345,13 @@ bool decode_linear_residual_norm(at::Tensor out, at::Tensor normed, const at::Te
   if (!fill_decode_linear_args(a, out, input, weight, bias, 0, false)) return false;
   const char* op = "decode_linear_residual_norm";
   const at::Device device = input.device();
+  const at::ScalarType dtype = input.scalar_type();
   const int64_t num_rows = input.size(0), features = weight.size(0);
-  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{residual, "residual"}, {normed, "normed"}}) {
-    check_cuda(op, t, name, device);
-    TPKIT_CHECK_VALUE(t.dim() == 2 && t.size(0) == num_rows && t.size(1) == features &&
-                          t.scalar_type() == input.scalar_type(),
-                      op, " (CUDA): ", name, ": expected ", input.scalar_type(), " [", num_rows, ", ", features,
-                      "], got ", t.scalar_type(), " ", t.sizes());
-  }
-  check_cuda(op, norm_weight, "norm_weight", device);
-  TPKIT_CHECK_VALUE(norm_weight.dim() == 1 && norm_weight.size(0) == features &&
-                        norm_weight.scalar_type() == input.scalar_type(),
-                    op, " (CUDA): norm_weight: expected ", input.scalar_type(), " [", features, "], got ",
-                    norm_weight.scalar_type(), " ", norm_weight.sizes());
-  check_row_sums(op, sums, "sums", num_rows, device);
-  if (zero_sums.has_value()) check_row_sums(op, *zero_sums, "zero_sums", num_rows, device);
-  TPKIT_CHECK_VALUE(!zero_sums.has_value() || zero_sums->data_ptr() != sums.data_ptr(),
-                    op, " (CUDA): zero_sums: expected another buffer than sums");
+  check_tensor(op, "residual", residual, device, dtype, {num_rows, features});
+  check_tensor(op, "normed", normed, device, dtype, {num_rows, features});
+  check_tensor(op, "norm_weight", norm_weight, device, dtype, {features});
+  check_tensor(op, "sums", sums, device, at::kDouble, {num_rows});
+  if (zero_sums.has_value()) check_tensor(op, "zero_sums", *zero_sums, device, at::kDouble, {num_rows});
   if (!residual.is_contiguous() || !normed.is_contiguous() || !norm_weight.is_contiguous() || !sums.is_contiguous() ||
       (zero_sums.has_value() && !zero_sums->is_contiguous())) {
     return false;
@@ -409,18 +377,12 @@ bool decode_qkv_rope_cache(at::Tensor out, const at::Tensor& input, const at::Te
       !fill_rms_scale(a, rms_sums, eps, input.device(), "decode_qkv_rope_cache")) {
     return false;
   }
+  const char* op = "decode_qkv_rope_cache";
   const at::Device device = input.device();
-  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{cos, "cos"}, {sin, "sin"},
-                                {key_cache, "key_cache"}, {value_cache, "value_cache"},
-                                {slot_mapping, "slot_mapping"}}) {
-    check_cuda("decode_qkv_rope_cache", t, name, device);
-  }
-  TPKIT_CHECK_VALUE(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes() &&
-                        key_cache.scalar_type() == input.scalar_type() &&
-                        value_cache.scalar_type() == input.scalar_type(),
-                    "decode_qkv_rope_cache (CUDA): caches: expected two ", input.scalar_type(),
-                    " [num_blocks, block_size, num_kv_heads, head_size], got ", key_cache.scalar_type(), " ",
-                    key_cache.sizes(), " and ", value_cache.scalar_type(), " ", value_cache.sizes());
+  const at::ScalarType dtype = input.scalar_type();
+  check_tensor(op, "key_cache", key_cache, device, dtype, {kAny, kAny, kAny, kAny});
+  check_tensor(op, "value_cache", value_cache, device, dtype, {key_cache.size(0), key_cache.size(1),
+                                                               key_cache.size(2), key_cache.size(3)});
   const int64_t num_kv_heads = key_cache.size(2), head_size = key_cache.size(3);
   const int64_t features = (num_heads + 2 * num_kv_heads) * head_size;
   TPKIT_CHECK_VALUE(num_heads > 0 && weight.size(0) == features,
@@ -428,16 +390,9 @@ bool decode_qkv_rope_cache(at::Tensor out, const at::Tensor& input, const at::Te
                     features, ", in_features] (num_heads ", num_heads, ", num_kv_heads and head_size of the cache), "
                     "got ", weight.sizes());
   const int64_t num_rows = input.size(0);
-  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{cos, "cos"}, {sin, "sin"}}) {
-    TPKIT_CHECK_VALUE(t.dim() == 2 && t.size(0) == num_rows && t.size(1) == head_size / 2 &&
-                          t.scalar_type() == input.scalar_type(),
-                      "decode_qkv_rope_cache (CUDA): ", name, ": expected ", input.scalar_type(), " [", num_rows, ", ",
-                      head_size / 2, "], got ", t.scalar_type(), " ", t.sizes());
-  }
-  TPKIT_CHECK_VALUE(slot_mapping.dim() == 1 && slot_mapping.size(0) == num_rows &&
-                        slot_mapping.scalar_type() == at::kLong,
-                    "decode_qkv_rope_cache (CUDA): slot_mapping: expected int64 [", num_rows, "], got ",
-                    slot_mapping.scalar_type(), " ", slot_mapping.sizes());
+  check_tensor(op, "cos", cos, device, dtype, {num_rows, head_size / 2});
+  check_tensor(op, "sin", sin, device, dtype, {num_rows, head_size / 2});
+  check_tensor(op, "slot_mapping", slot_mapping, device, at::kLong, {num_rows});
   if (!cos.is_contiguous() || !sin.is_contiguous() || !slot_mapping.is_contiguous() || key_cache.stride(3) != 1 ||
       value_cache.stride(3) != 1 || head_size > INT32_MAX || key_cache.size(1) > INT32_MAX) {
     return false;
@@ -462,21 +417,13 @@ bool to_16bit_dtype(at::ScalarType t, tpkit_dtype* dtype) {
 // sin [num_tokens, head_size / 2] into out (contiguous, input's shape); false where the kernel does not take
 // these tensors (elementwise.h).
 bool rotary(at::Tensor out, const at::Tensor& input, const at::Tensor& cos, const at::Tensor& sin) {
-  TPKIT_CHECK_VALUE(input.is_cuda(), "rotary (CUDA): input: expected a CUDA tensor, got ", input.device());
-  const at::Device device = input.device();
-  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{out, "out"}, {cos, "cos"}, {sin, "sin"}}) {
-    check_cuda("rotary", t, name, device);
-  }
-  TPKIT_CHECK_VALUE(input.dim() == 3 && out.sizes() == input.sizes() && out.scalar_type() == input.scalar_type(),
-                    "rotary (CUDA): out: expected ", input.scalar_type(), " ", input.sizes(), " (input's), got ",
-                    out.scalar_type(), " ", out.sizes());
-  const int64_t half = input.size(2) / 2;
-  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{cos, "cos"}, {sin, "sin"}}) {
-    TPKIT_CHECK_VALUE(t.dim() == 2 && t.size(0) == input.size(0) && t.size(1) == half &&
-                          t.scalar_type() == input.scalar_type(),
-                      "rotary (CUDA): ", name, ": expected ", input.scalar_type(), " [", input.size(0), ", ", half,
-                      "], got ", t.scalar_type(), " ", t.sizes());
-  }
+  const char* op = "rotary";
+  const at::Device device = cuda_device(op, "input", input);
+  const at::ScalarType dtype = input.scalar_type();
+  check_tensor(op, "input", input, device, dtype, {kAny, kAny, kAny});
+  check_tensor(op, "out", out, device, dtype, {input.size(0), input.size(1), input.size(2)});
+  check_tensor(op, "cos", cos, device, dtype, {input.size(0), input.size(2) / 2});
+  check_tensor(op, "sin", sin, device, dtype, {input.size(0), input.size(2) / 2});
   if (!out.is_contiguous() || !cos.is_contiguous() || !sin.is_contiguous() || input.stride(2) != 1 ||
       input.size(1) > INT32_MAX || input.size(2) > INT32_MAX) {
     return false;
@@ -501,12 +448,13 @@ bool rotary(at::Tensor out, const at::Tensor& input, const at::Tensor& cos, cons
 // out [num_rows, features] = silu(gate) * up of input [num_rows, 2 * features] (gate, then up; any row strides,
 // last dims contiguous); false where the kernel does not take these tensors (elementwise.h).
 bool silu_and_mul(at::Tensor out, const at::Tensor& input) {
-  TPKIT_CHECK_VALUE(input.is_cuda(), "silu_and_mul (CUDA): input: expected a CUDA tensor, got ", input.device());
-  check_cuda("silu_and_mul", out, "out", input.device());
-  TPKIT_CHECK_VALUE(input.dim() == 2 && input.size(1) % 2 == 0 && out.dim() == 2 && out.size(0) == input.size(0) &&
-                        out.size(1) == input.size(1) / 2 && out.scalar_type() == input.scalar_type(),
-                    "silu_and_mul (CUDA): out: expected ", input.scalar_type(), " [", input.size(0), ", ",
-                    input.size(1) / 2, "] for input ", input.sizes(), ", got ", out.scalar_type(), " ", out.sizes());
+  const char* op = "silu_and_mul";
+  const at::Device device = cuda_device(op, "input", input);
+  const at::ScalarType dtype = input.scalar_type();
+  check_tensor(op, "input", input, device, dtype, {kAny, kAny});
+  TPKIT_CHECK_VALUE(input.size(1) % 2 == 0, "silu_and_mul (CUDA): input: expected [num_rows, 2 * features] (gate, "
+                    "then up), got ", input.sizes());
+  check_tensor(op, "out", out, device, dtype, {input.size(0), input.size(1) / 2});
   if (input.stride(1) != 1 || out.stride(1) != 1) return false;
   tpkit_silu_and_mul_args a{};
   if (!to_16bit_dtype(input.scalar_type(), &a.dtype)) return false;
