@@ -1,22 +1,18 @@
 """Copies from a checkpoint file straight into a GPU: the file's pages, where they lie in the page cache,
 page-locked in place (``cudaHostRegister``, read-only) and read by the GPU's copy engine.
 
-Loading into a GPU is bound by the host's memory bandwidth (BENCHMARKS.md, "Loading into GPUs": about 12
-GB/s of memcpy on the 16-core host of an H200). A copy through page-locked buffers moves each byte three
-times (the CPU reads and writes it, the copy engine reads it again); this reads it once. On that host, 2 GiB
-registered in 64 MiB pieces, each piece's copy queued once it was registered: 53 ms (40 GB/s) and 16 ms to
-unregister, against 0.23 s through buffers (``benchmarks/bench_host_copy.py register``).
+Loading into a GPU is bound by the host's memory bandwidth. A copy through page-locked buffers moves each
+byte three times (the CPU reads and writes it, the copy engine reads it again); this reads it once.
 
-Registering is the cost, about 25 us a MiB, and registrations on several threads wait on each other. So
-a loading registers each piece of a file once, whichever tensors lie in it, and queues the copies without
-waiting for them. :class:`DirectCopies` holds the file maps and registered pieces of one ``load_weights``
-call: it keeps at most ``_MAX_PINNED_BYTES`` page-locked, unregistering the oldest pieces as it registers
-new ones, and the call releases each file once the next one is loaded (so that a file's last copies
-overlap the next file's first ones). A copy outside such a call is a loading of its own, released before
-it returns.
+Registering is the cost, and registrations on several threads wait on each other. So a loading registers each
+piece of a file once, whichever tensors lie in it, and queues the copies without waiting for them.
+:class:`DirectCopies` holds the file maps and registered pieces of one ``load_weights`` call: it keeps at most
+``_MAX_PINNED_BYTES`` page-locked, unregistering the oldest pieces as it registers new ones, and the call
+releases each file once the next one is loaded (so that a file's last copies overlap the next file's first
+ones). A copy outside such a call is a loading of its own, released before it returns.
 
 The map is shared and read-only. The lazy handles' own views are of private (copy-on-write) maps, so that
-a caller may write into what ``t[:]`` returns; registering such a map did not return within 120 s there.
+a caller may write into what ``t[:]`` returns; registering such a map can take minutes.
 Where registering fails (a file system whose pages cannot be pinned, no driver support), the process stops
 trying and the caller copies its own way. ``TPKIT_LOAD_DMA=0`` in the environment turns this off.
 """
@@ -38,17 +34,17 @@ import torch
 _MIN_BYTES = 2**20
 # A strided part (a column shard) is copied by its span, the file bytes from its first element to its
 # last, into a GPU buffer, and taken from there on the GPU: worth it while the span is at most this many
-# times the part (a column shard at tp_size 8 spans about 8x its bytes). The copy engine reads the span at
-# 40 GB/s where a CPU gathers the part into page-locked buffers at about 3 GB/s a thread.
+# times the part (a column shard at tp_size 8 spans about 8x its bytes): the copy engine reads the span many
+# times faster than a CPU thread gathers the part into page-locked buffers.
 _MAX_SPAN_RATIO = 8
 # Files are registered a piece at a time, on first use, so that one thread's copies run while another
-# registers the next piece (one registration of 2 GiB, then one copy: 86 ms against 53 ms in 64 MiB
-# pieces). A multiple of the page.
+# registers the next piece, rather than one registration of a whole file before its first copy. A multiple
+# of the page.
 _PIECE_BYTES = 64 * 2**20
 # Pinned pages are the process's memory while they are pinned (its peak counts them), so a loading keeps
-# at most this many registered: 4 pieces. Registering a piece takes about as long as copying it (both near
-# 40 GB/s on the H200's host), so the copy engine trails registration by about a piece, and the oldest of
-# four is copied by the time it is unregistered.
+# at most this many registered: 4 pieces. Registering a piece takes about as long as copying it, so the
+# copy engine trails registration by about a piece, and the oldest of four is copied by the time it is
+# unregistered.
 _MAX_PINNED_BYTES = 4 * _PIECE_BYTES
 # cudaHostRegisterReadOnly (8): the driver pins the pages without asking to write them; and
 # cudaHostRegisterPortable (1): pinned for every device's context, not only the calling thread's current

@@ -350,9 +350,8 @@ def _num_threads(num_threads: int | None) -> int | None:
 def _default_num_threads(loads: list[_Load]) -> int:
     """1 where every tensor goes into a GPU straight from its file (``._direct_copy``; safetensors handles,
     direct copies on): the CPU then copies nothing, and more threads only contend for the GIL and the
-    process's memory map. A 2 GB load into an H200 at tp_size 1 took 163 / 174 / 223 ms on 1 / 2 / 4 threads
-    that way (BENCHMARKS.md, "Loading into GPUs"). Otherwise up to 4: the CPU copies, and copies release
-    the GIL."""
+    process's memory map, so that a load on more threads is slower. Otherwise up to 4: the CPU copies, and
+    copies release the GIL."""
     if loads and _direct_copy.enabled() and all(
             load.target.tensor.device.type == "cuda" and getattr(load.weight, "copies_from_file", False)
             for load in loads):

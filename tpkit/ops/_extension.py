@@ -1,4 +1,5 @@
-"""The CUDA kernels of ``csrc/`` (paged attention, the cache write, the decode linear), compiled on first use.
+"""The CUDA kernels of ``csrc/`` (paged attention, the cache write, the decode linear, RoPE and SwiGLU),
+compiled on first use.
 
 The extension is built with ``torch.utils.cpp_extension.load`` (ninja) for the compute capability of the
 GPU it runs on, and cached per (GPU architecture, torch version, CUDA version) in
@@ -13,13 +14,11 @@ Ahead-of-time build, for machines whose users have torch but no CUDA toolkit: on
     python -m tpkit.ops.build --arch 8.0 9.0  # for named architectures, no GPU needed
 
 then ship the printed directories and point ``TORCH_EXTENSIONS_DIR`` at their parent. Where ``nvcc`` is
-missing, :func:`paged_attention`, :func:`reshape_and_cache` and :func:`decode_linear` load such a prebuilt
-module directly.
+missing, the ops load such a prebuilt module directly.
 
 The entry points return False when no kernel can be had on this machine (no toolkit and no prebuilt
 module, a failed compile, a GPU older than sm_80); they then warn once saying how to get the kernel, and
-the caller (``tpkit.ops.paged_attention``, ``tpkit.ops.linear``, ``tpkit.ops.rotary``) runs the PyTorch
-implementation instead.
+the op's CUDA implementation (:mod:`tpkit.ops._library`) runs its PyTorch implementation instead.
 """
 
 from __future__ import annotations
@@ -292,7 +291,7 @@ def decode_qkv_rope_cache(
 def rotary(out: torch.Tensor, input: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """RoPE of ``input`` ``[num_tokens, num_heads, head_size]`` (any token and head strides, the last
     dimension contiguous) by cos, sin ``[num_tokens, head_size / 2]`` into ``out`` (contiguous, input's
-    shape), rounded as :func:`tpkit.attention.apply_rotary` rounds; False where no kernel is available here
+    shape), rounded as :func:`tpkit.ops.apply_rotary` rounds; False where no kernel is available here
     or it does not take these tensors (float16 or bfloat16, head_size a multiple of 16, 16-byte aligned
     rows)."""
     module = _module_for(input.device)

@@ -1,4 +1,4 @@
-"""Ahead-of-time build of the CUDA paged-attention kernels.
+"""Ahead-of-time build of tpkit's CUDA kernels.
 
 Run on a machine with the CUDA toolkit (``nvcc`` matching ``torch.version.cuda``) and the torch version the
 users have::
@@ -8,7 +8,7 @@ users have::
 
 Each architecture gets its own module under ``$TORCH_EXTENSIONS_DIR`` (default
 ``~/.cache/torch_extensions``); the directories printed are what to ship. On the target machine, set
-``TORCH_EXTENSIONS_DIR`` to their parent: ``tpkit.attention`` then loads the prebuilt module even without
+``TORCH_EXTENSIONS_DIR`` to their parent: ``tpkit.ops`` then loads the prebuilt module even without
 ``nvcc``.
 """
 

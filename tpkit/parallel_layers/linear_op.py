@@ -2,7 +2,7 @@
 
 Every layer that multiplies by its weight (the linear layers, ``QKVCrossParallelLinear`` and
 ``ParallelLMHead``) calls ``self.linear_op(input, weight, bias)``. The layers import no kernels; a model
-that has a faster product for some shapes (``tpkit.models`` uses ``tpkit.attention.decode_linear`` for the
+that has a faster product for some shapes (``tpkit.models`` uses ``tpkit.ops.decode_linear`` for the
 few rows of a decode step) sets it on all its layers at once with :func:`set_linear_op`.
 """
 

@@ -12,14 +12,11 @@ namespace {
 constexpr int kPlanTile = 64;           // tokens: partitions are whole tiles of every kernel
 constexpr int kMaxPartitions = 256;
 // The merge kernel (a second, dependent launch that starts once the attention grid is done), in tile reads;
-// a cluster merge costs none. (Measured on the H200, C3: 16 partitions of two tiles and the merge kernel
-// 11.8-11.9 us, 8 partitions of four tiles merged in their cluster 11.4 us, 4 of eight 15.6 us: a tile is
-// about a microsecond there and the merge kernel about 2.5 tiles.)
+// a cluster merge costs none.
 constexpr double kMergeKernelCost = 2.5;
 constexpr double kBlockStartCost = 1.0;   // a block's first loads (block table, then K/V): no overlap yet
 // A block's fixed work (block table, query, epilogue, partial write) is about a tile's: partitions of one
-// tile spend half their time on it (measured on the H200, C3: 32 partitions of one tile 21.3 us, 16 of two
-// 17.8 us, 8 of four 21.3 us).
+// tile would spend half their time on it.
 constexpr int kMinPartitionTiles = 2;
 
 }  // namespace
@@ -31,8 +28,8 @@ void plan_partitions(tpkit_paged_attention_args* a, int concurrent_blocks, doubl
   const double base = static_cast<double>(a->num_seqs) * a->num_kv_heads * a->m_groups;
   const double slots = std::max(concurrent_blocks, 1);
   // No split when the unsplit grid already fills every slot: the blocks past the first wave still find the
-  // memory system saturated, so splitting would only add partial writes and the merge (measured on the
-  // H200: C2 and C5 ran faster unsplit). Otherwise, among splits that fit one wave, a time model: a block
+  // memory system saturated, so splitting would only add partial writes and the merge.
+  // Otherwise, among splits that fit one wave, a time model: a block
   // costs its start, its tiles and writing its partial result; the merge reads every partial result once
   // more, and the merge kernel, where the partitions cannot be merged in their cluster, costs its own.
   int best_partitions = 1;

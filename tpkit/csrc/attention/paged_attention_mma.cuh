@@ -24,8 +24,7 @@ constexpr int kLoaderThreads = 128;  // threads that issue the cp.async copies (
 constexpr int kMaxThreads = 256;
 constexpr int kMinBlockSize = 8;  // smallest supported KV block: at most 8 pages per tile
 constexpr int kPageRing = 8;      // page-id slots, one per tile; more than the deepest pipeline (4) + 1
-// Partitions merged in one cluster: the portable maximum. (16, non-portable, made C3's 16 partitions slower
-// than the merge kernel: 18.4 against 17.9 us on the H200.)
+// Partitions merged in one cluster: the portable maximum (a non-portable 16 is slower than the merge kernel).
 constexpr int kMaxClusterSize = 8;
 
 // Head size rounded up to the mma k-step.
@@ -39,7 +38,7 @@ constexpr bool kSwizzleable = padded_head(HEAD) / 8 % 8 == 0;
 // number of chunks, so ldmatrix's 8 rows hit 8 distinct bank groups. Swizzled rows are unpadded: chunk c of
 // row r is stored at c ^ (r & 7), which keeps ldmatrix conflict-free and every 32-byte global sector in one
 // 32-byte unit (an odd padded row, 16 bytes off that boundary, splits its sectors: cp.async then asks L2
-// for 1.5x the bytes, in twice the requests). The plan picks the layout (`swizzled`, measured).
+// for 1.5x the bytes, in twice the requests). The plan picks the layout (`swizzled`).
 template <int HEAD, bool SWIZZLED>
 struct MmaLayout {
   static_assert(HEAD % 8 == 0, "head size must be a multiple of 8");
@@ -64,8 +63,8 @@ struct MmaLayout {
   static constexpr bool kQueryInRegisters = kKSteps <= 4; // hold Q fragments (<= 16 registers)
 };
 
-// Register caps that keep each head size at the occupancy its kernel had before the cluster merge was added
-// (v10): <= 80 registers for head 32, <= 128 (16 warps per SM) for 64-96, <= 168 (12 warps) for 112-128.
+// Register caps that keep each head size at its occupancy: <= 80 registers for head 32, <= 128 (16 warps per
+// SM) for 64-96, <= 168 (12 warps) for 112-128.
 constexpr int max_registers(int head) { return head <= 32 ? 80 : head <= 96 ? 128 : head <= 128 ? 168 : 255; }
 
 // One step of the online softmax for a thread's two rows of S, held as NJ 8-column tiles in the mma
@@ -134,9 +133,7 @@ __device__ __forceinline__ float2 online_softmax_step(float (&s)[NJ][4], int pos
 // Before griddepcontrol.wait (both kernels): asks L2 for what a block's prologue reads first, the rows_valid
 // query rows from q_rows (HEAD elements each, q_stride_head apart), the length and `entries` table entries,
 // so that after the wait they come from L2, not DRAM. Safe where the kernel before writes them: a prefetch
-// returns no data, that kernel's writes land in L2, and the reads come after the wait. (Measured on the H200:
-// C3 9.4-9.5 -> 9.2 us, C6 -0.1 to -0.3 us; reading the table itself before the wait, which is not safe,
-// had won 0.5-0.7.)
+// returns no data, that kernel's writes land in L2, and the reads come after the wait.
 template <typename T, int HEAD>
 __device__ __forceinline__ void prefetch_prologue(const T* q_rows, int64_t q_stride_head, int rows_valid,
                                                   const int* seq_len, const int* entries_first, int entries) {
@@ -156,9 +153,7 @@ __device__ __forceinline__ void prefetch_prologue(const T* q_rows, int64_t q_str
 
 // merge_in_cluster's work: a thread takes ITEMS items at a time, eight (partition, item) pairs whatever
 // the cluster's size (PARTS >= num_parts), and issues all their loads (every partition's log-sum-exp and
-// 16 bytes of values) before using any, so a round costs one round trip to the other blocks' shared
-// memory: one an item rather than two took C3 from 10.2 to 9.5 us on the H200, one for C6's three items
-// a thread rather than three took C6 from 37.8 to 37.2.
+// 16 bytes of values) before using any, so a round costs one round trip to the other blocks' shared memory.
 template <int HEAD, typename P, int PARTS, typename RowOut, typename OutRow>
 __device__ __forceinline__ void merge_items(int num_parts, int rows_valid, const float* row_lse, RowOut row_out,
                                             OutRow out_row) {
@@ -281,9 +276,8 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
   const int bs_log2 = p.block_size_log2;
   const int pages_per_tile = kTileTokens >> bs_log2;
 
-  // Launched as a programmatic dependent (Hopper): the blocks may start while the previous kernel in the
-  // stream drains; every input may come from it, so nothing is read before it has finished, only
-  // prefetched into L2.
+  // Launched as a programmatic dependent (Hopper): the blocks may start while the previous kernel drains;
+  // every input may come from it, so nothing is read before it has finished, only prefetched into L2.
   prefetch_prologue<T, HEAD>(q_base + static_cast<int64_t>(head0) * p.q_stride_head, p.q_stride_head, rows_valid,
                              p.seq_lens + seq, bt_row + (start >> bs_log2),
                              min(num_stages * pages_per_tile, (table_end - start) >> bs_log2));
@@ -300,10 +294,9 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
   const T* v_base = static_cast<const T*>(p.value_cache) + static_cast<int64_t>(kv_head) * p.vc_stride_head;
   const int bs_mask = (1 << bs_log2) - 1;
 
-  // Physical pages of the tiles ahead, one ring slot per tile: the block-table reads of a tile are issued
-  // an iteration before its copies, so no copy waits on a dependent global load. Entries past the
-  // sequence's end (but inside its table row) are read too, so the reads need not wait for its length;
-  // the copies skip their tokens.
+  // Physical pages of the tiles ahead, one ring slot per tile: a tile's block-table reads are issued an
+  // iteration before its copies, so no copy waits on a dependent global load. Entries past the sequence's
+  // end (inside its table row) are read too, so the reads need not wait for its length; copies skip them.
   __shared__ int page_s[kPageRing][kTileTokens / kMinBlockSize];
   auto page_of = [&](int tile, int j) -> int {  // j-th page of tile, or -1 past the partition's entries
     const int pos = start + tile * kTileTokens + (j << bs_log2);
@@ -338,8 +331,8 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
   const int num_tiles = end > start ? (end - start + kTileTokens - 1) / kTileTokens : 0;
 
   // Block and token strides of the caches in bytes, 32-bit (the binding checks that they fit): a copy's
-  // source address is two wide multiply-adds. (With 64-bit strides in elements, the address arithmetic was
-  // most of the kernel's instructions: ncu on C1 counted 18 IMADs per cp.async.)
+  // source address is two wide multiply-adds (64-bit strides in elements would make the address arithmetic
+  // most of the kernel's instructions).
   const uint32_t k_block_bytes = static_cast<uint32_t>(p.kc_stride_block * sizeof(T));
   const uint32_t k_token_bytes = static_cast<uint32_t>(p.kc_stride_token * sizeof(T));
   const uint32_t v_block_bytes = static_cast<uint32_t>(p.vc_stride_block * sizeof(T));
@@ -408,8 +401,7 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
   const float last_pos = static_cast<float>(seq_len - 1);
 
   uint32_t q_frag[L::kQueryInRegisters ? L::kKSteps : 1][4];
-  // ldmatrix lane addresses: the lane's row (of an 8x8 matrix) and its part of each step's chunk. Q: rows
-  // of the warp's 16-row tile.
+  // ldmatrix lane addresses: the lane's row (of an 8x8 matrix), its part of a step's chunk. Q: warp's rows.
   const int q_row = warp_m * 16 + (lane & 15);
   const uint32_t q_addr = smem_addr(q_s + q_row * RS + L::lane_base(lane >> 4));
   const uint32_t q_xor = L::lane_bits(q_row, lane >> 4);
@@ -425,8 +417,7 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
   float l0 = 0.f, l1 = 0.f;              // this thread's share of the running sums
 
   const int tokens_per_warp = kTileTokens / p.warps_n;
-  // K and V: rows inside a 16-token slice (slices start at multiples of 16, so a row's r & 7 is lane & 7);
-  // K non-transposed, V transposed.
+  // K (non-transposed), V (transposed): rows in a 16-token slice (slices start at multiples of 16: r & 7 = lane & 7).
   const int k_lane_off = ((lane & 7) + ((lane >> 4) << 3)) * RS + L::lane_base((lane >> 3) & 1);
   const uint32_t k_xor = L::lane_bits(lane, (lane >> 3) & 1);
   const int v_lane_off = ((lane & 7) + (((lane >> 3) & 1) << 3)) * RS + L::lane_base(lane >> 4);

@@ -4,8 +4,7 @@
 //
 // A decode step's product reads a whole weight matrix for a handful of rows, so it runs at the speed the
 // weight streams in; what a general GEMM adds on top (tiles staged in shared memory, a split-K reduction
-// kernel) is fixed cost that shows at these sizes (on the H200, cuBLAS's o_proj of Llama-3-8B shapes took
-// 13.3 us for 7.9 us of bytes). Here each warp streams its slice of 8 weight rows straight from global
+// kernel) is fixed cost that shows at these sizes. Here each warp streams its slice of 8 weight rows straight from global
 // memory into tensor-core operands, 16 bytes a lane a step, and the warps that share those rows meet once,
 // in shared memory, at the end.
 #pragma once
@@ -21,9 +20,8 @@ namespace tpkit {
 constexpr int kLinearRowGroups = 2;  // groups of 8 weight rows (output features) a thread block computes
 constexpr int kLinearStep = 32;      // in_features one step of a warp covers: 4 lanes x 8 of each row
 // Resident threads a multiprocessor must fit: the register cap (64) that lets the compiler keep several
-// steps' loads in flight without giving up occupancy. (H200, Llama-3-8B projections at batch 8: the plain
-// loop under this bound 10.5-241 us; without the bound and restrict, 36 registers and 15.4-366 us; a ring of
-// loads refilled after each step's products, 14.5-370 us.)
+// steps' loads in flight without giving up occupancy (the plain loop under this bound streams faster than
+// one of fewer registers, or a ring of loads refilled after each step's products).
 constexpr int kLinearThreadsPerSM = 1024;
 
 // One step: a lane's 16 bytes of its weight row and of its input rows r (lower) and r + 8 (upper) fill its
@@ -73,7 +71,7 @@ __global__ void __launch_bounds__(kLinearRowGroups * kSplits * 32,
   if constexpr (kSiLUAndMul) n0 = blockIdx.x * 8 + (group == 0 ? 0 : a.out_features / 2);
   if constexpr (kRotaryCache) n0 = rotates ? rotary_n0 + (group == 0 ? 0 : half_head) : n0;
   // In the split RMSNorm's kernels, what the epilogue reads besides the sums is asked for now, so that its
-  // latency hides behind the weight's stream (read in the epilogue, it cost 1-2 us a product): a row's sum
+  // latency hides behind the weight's stream rather than adding to the epilogue's: a row's sum
   // of squares (threads 0-15), and the residual and norm weight of the thread's first epilogue element (its
   // only one at 4 or 8 warps a row group). The plain kernel, whose registers the hoisting would raise,
   // reads its rms_sums in the epilogue.
