@@ -8,7 +8,8 @@ Training takes a few steps across the group: :func:`vocab_parallel_cross_entropy
 rank's vocabulary columns), :func:`reduce_kv_replica_grads`, :func:`clip_grad_norm_`, and for dropout
 :func:`seed_tensor_parallel`, :func:`tensor_parallel_dropout`, :func:`tensor_parallel_rng` and
 :func:`checkpoint`; with sequence parallelism (the layers' ``sequence_parallel=True``)
-:func:`mark_sequence_parallel` and :func:`reduce_sequence_parallel_grads`.
+:func:`mark_sequence_parallel` and :func:`reduce_sequence_parallel_grads`. :func:`launch` runs a function on
+the ranks of a world on this machine (gloo on the CPU, NCCL on GPUs), as ``torchrun`` would.
 """
 
 from ._init import skip_init
@@ -20,6 +21,7 @@ from .grads import (
     reduce_kv_replica_grads,
     reduce_sequence_parallel_grads,
 )
+from .launch import RankError, RankPool, free_port, launch, local_device
 from .linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -60,6 +62,8 @@ __all__ = [
     "LinearOp",
     "MergedColumnParallelLinear",
     "ParallelLMHead",
+    "RankError",
+    "RankPool",
     "QKVCrossParallelLinear",
     "QKVParallelLinear",
     "ReplicatedLinear",
@@ -70,6 +74,7 @@ __all__ = [
     "clip_grad_norm_",
     "copy_to_tp_region",
     "destroy_tensor_parallel",
+    "free_port",
     "gather_from_sequence_parallel_region",
     "gather_from_tp_region",
     "get_tensor_parallel_rng_state",
@@ -77,6 +82,8 @@ __all__ = [
     "get_tp_rank",
     "get_tp_size",
     "init_tensor_parallel",
+    "launch",
+    "local_device",
     "mark_sequence_parallel",
     "pad_vocab_size",
     "reduce_from_tp_region",
