@@ -68,7 +68,7 @@ SMALL_LLAMA = LLAMA3_8B | {"vocab_size": 1024, "hidden_size": 256, "intermediate
 SMALL_BART = BART_LARGE | {"vocab_size": 1000, "d_model": 128, "encoder_layers": 2, "decoder_layers": 2,
                            "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 256,
                            "decoder_ffn_dim": 256}
-GPU_MEMORY_UTILIZATION = 0.9  # as the seeds' vLLM default
+GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
 ACTIVATION_RESERVE_BYTES = 2 * 2**30  # activations and workspaces of a forward, kept out of the KV budget
 
 
