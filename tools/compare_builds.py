@@ -79,6 +79,8 @@ def main() -> int:
             print(f"round {round_index + 1}, {name}: rc {rc}", flush=True)
             if rc == 0:
                 for row in json.loads(result.read_text()):
+                    if row["t_us"] is None:  # an implementation that did not run (its status says why)
+                        continue
                     column = name if row["impl"] == "tpkit" else f"{row['impl']} ({name})"
                     times[row["config"]][column].append(row["t_us"])
     columns = list(dict.fromkeys(column for per_config in times.values() for column in per_config))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import operator
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -29,6 +30,8 @@ from tpkit.models.cuda_graph import DecodeGraph
 from tpkit.models.sequence_parallel import NO_GENERATION
 
 Prompts = Sequence[Sequence[int]] | torch.Tensor
+# Captured decode graphs a model keeps (one per batch size, block-table width and step variant).
+_MAX_GRAPHS = 8
 StepFn = Callable[[torch.Tensor, Mapping[str, AttentionMetadata], Sequence[int]], torch.Tensor]
 
 
@@ -188,6 +191,12 @@ class PagedLM(nn.Module, ABC):
     Caches are named (``"self"``; BART adds ``"cross"``). They are sized for the batch at hand, kept for the
     next call while big enough (a captured CUDA graph stays valid with them) and dropped by
     :meth:`clear_kv_cache`.
+
+    Captured decode graphs are kept per batch shape, the ``_MAX_GRAPHS`` most recently used, in one memory
+    pool that a new capture reuses. A pool is captured into only while one of its graphs is alive: when the
+    last goes (a cache replaced, :meth:`clear_kv_cache`) the pool goes with it, its memory is given back,
+    and the next capture starts a new one. (The caching allocator refuses, with an internal assert, a
+    capture into a pool that no live graph uses but whose memory is still held.)
     """
 
     kv_block_size = 16
@@ -204,7 +213,7 @@ class PagedLM(nn.Module, ABC):
     def __init__(self) -> None:
         super().__init__()
         self._kv_caches: dict[str, PagedKVCache] = {}
-        self._graphs: dict[tuple, DecodeGraph] = {}
+        self._graphs: OrderedDict[tuple, DecodeGraph] = OrderedDict()  # least recently used first
         self._graph_pool: Any = None
         self._compiled_decode_steps: dict[str, Callable] = {}  # by the step's name
 
@@ -223,9 +232,15 @@ class PagedLM(nn.Module, ABC):
 
     def clear_kv_cache(self) -> None:
         """Drop the KV caches and captured CUDA graphs, returning their memory."""
-        self._graphs.clear()
         self._kv_caches.clear()
+        self._drop_graphs()
+
+    def _drop_graphs(self) -> None:
+        """Drop every captured graph and their pool; give the memory of both (and of any cache dropped
+        before) back to the device, so that memory follows what is alive rather than what was."""
+        self._graphs.clear()
         self._graph_pool = None
+        torch.cuda.empty_cache()  # without an initialised CUDA context (a CPU-only run) it does nothing
 
     # Hooks -------------------------------------------------------------------------------------------------
     @abstractmethod
@@ -371,9 +386,10 @@ class PagedLM(nn.Module, ABC):
             cache = self._kv_caches.get(name)
             if cache is None or cache.num_free_blocks < num_blocks or (cache.dtype, cache.device) != (
                     self.dtype, self.device):
-                # Let go of the old cache (and graphs that point into it) before allocating the new one.
+                # Let go of the old cache and the graphs that point into it, and give their memory back,
+                # before allocating the new one.
                 self._kv_caches.pop(name, None)
-                self._graphs.clear()
+                self._drop_graphs()
                 num_layers, num_kv_heads, head_size = layout[name]
                 self._kv_caches[name] = PagedKVCache(num_layers, num_blocks, self.kv_block_size, num_kv_heads,
                                                      head_size, dtype=self.dtype, device=self.device)
@@ -396,13 +412,22 @@ class PagedLM(nn.Module, ABC):
     def _graph_step(self, decode_step: Callable, caches: Mapping[str, PagedKVCache], batch: int,
                     max_blocks: Mapping[str, int], variant: tuple) -> StepFn:
         key = (batch, tuple(sorted(max_blocks.items())), variant)
-        graph = self._graphs.get(key)
+        graph = self._graphs.pop(key, None)
         if graph is None:
+            while len(self._graphs) >= _MAX_GRAPHS:
+                # The pool keeps the memory of the dropped graph for the next capture (other graphs still
+                # use the pool).
+                self._graphs.popitem(last=False)
             if self._graph_pool is None:
                 self._graph_pool = torch.cuda.graph_pool_handle()
-            graph = DecodeGraph(lambda ids, metadata: decode_step(ids, metadata, caches), batch, max_blocks,
-                                self.device, pool=self._graph_pool)
-            self._graphs[key] = graph
+            try:
+                graph = DecodeGraph(lambda ids, metadata: decode_step(ids, metadata, caches), batch,
+                                    max_blocks, self.device, pool=self._graph_pool)
+            except BaseException:
+                if not self._graphs:
+                    self._drop_graphs()  # a pool no graph uses is never captured into again
+                raise
+        self._graphs[key] = graph  # the most recently used last
         return graph
 
 

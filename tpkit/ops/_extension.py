@@ -202,9 +202,20 @@ def reshape_and_cache(
 def launch_plan(query: torch.Tensor, key_cache: torch.Tensor,
                 block_tables: torch.Tensor) -> dict[str, int] | None:
     """The kernel's launch configuration for these shapes (split-K partitions, warps, pipeline stages,
-    shared memory), as benchmarks report it; None when no kernel is available here."""
+    shared memory, and the attention grid: ``grid_x``, ``grid_y``, ``grid_z``, ``cluster_size``), as
+    benchmarks report it; None when no kernel is available here. Planning reads only the shapes (and
+    the device), so expanded (stride 0) tensors of any size serve."""
     module = _module_for(query.device)
     return None if module is None else dict(module.plan(query, key_cache, block_tables))
+
+
+def device_limits(device: torch.device) -> dict[str, int] | None:
+    """The CUDA device's launch limits that plans must respect (``max_grid_x/y/z``,
+    ``max_threads_per_block``, ``max_smem_per_block_optin``, ``cluster_launch``, ``multiprocessors``,
+    ``major``, ``minor``), read from the CUDA runtime; None when no kernel is available here."""
+    module = _module_for(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return None if module is None else dict(module.device_limits(index))
 
 
 def decode_linear(

@@ -15,6 +15,7 @@
 
 #include "common/dtype_traits.cuh"
 #include "attention/paged_attention.h"
+#include "attention/paged_attention_dispatch.h"
 #include "common/ptx.cuh"
 
 namespace tpkit {
@@ -24,9 +25,6 @@ constexpr int kLoaderThreads = 128;  // threads that issue the cp.async copies (
 constexpr int kMaxThreads = 256;
 constexpr int kMinBlockSize = 8;  // smallest supported KV block: at most 8 pages per tile
 constexpr int kPageRing = 8;      // page-id slots, one per tile; more than the deepest pipeline (4) + 1
-// Partitions merged in one cluster: the portable maximum. (16, non-portable, made C3's 16 partitions slower
-// than the merge kernel: 18.4 against 17.9 us on the H200.)
-constexpr int kMaxClusterSize = 8;
 
 // Head size rounded up to the mma k-step.
 constexpr int padded_head(int head) { return (head + 15) / 16 * 16; }
