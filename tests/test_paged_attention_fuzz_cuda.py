@@ -18,6 +18,7 @@ launch cannot poison the others. The first cases are fixed shapes that once fail
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import math
 import os
@@ -37,6 +38,7 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 HEAD_SIZES = (32, 64, 80, 96, 112, 120, 128, 192, 256)
 BLOCK_SIZES = (8, 16, 32)
 MAX_SEQS = 1024
+CASE_TIMEOUT_S = 60  # a case takes well under a second
 MAX_LEN = 1 << 20
 # Elements of one cache (tokens x num_kv_heads x head_size): 256 MiB in float32.
 CACHE_ELEMENTS = 1 << 26
@@ -151,7 +153,9 @@ def _worker(seed: int, start: int, stop: int) -> None:
     """Runs cases start..stop-1, one JSON line before and after each; exits at the first CUDA failure."""
     for index in range(start, stop):
         print(json.dumps({"index": index, "started": True}), flush=True)
+        faulthandler.dump_traceback_later(CASE_TIMEOUT_S, exit=True)  # a hung case ends the worker
         result = run_case(draw_case(seed, index), seed * 1_000_003 + index)
+        faulthandler.cancel_dump_traceback_later()
         print(json.dumps({"index": index, **result}), flush=True)
 
 
@@ -167,8 +171,7 @@ def test_paged_attention_fuzz() -> None:
     failures: list[str] = []
     start = 0
     while start < CASES:
-        # Generous: a case takes well under a second; a hung one ends the worker.
-        timeout = 120 + 5 * (CASES - start)
+        timeout = 60 + CASE_TIMEOUT_S * (CASES - start)  # the worker's own watchdog ends a hung case first
         cmd = [sys.executable, os.path.abspath(__file__), str(SEED), str(start), str(CASES)]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -178,8 +181,10 @@ def test_paged_attention_fuzz() -> None:
             stdout = stdout.decode() if isinstance(stdout, bytes) else stdout
             stderr = stderr.decode() if isinstance(stderr, bytes) else stderr
         last_started, last_done = start - 1, start - 1
-        for line in stdout.splitlines():
-            record = json.loads(line)
+        records = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+        tail = " | ".join(stderr.strip().splitlines()[-3:])
+        assert records, f"the fuzz worker ran no case ({code}): {tail}"
+        for record in records:
             if record.get("started"):
                 last_started = record["index"]
                 continue
@@ -190,7 +195,6 @@ def test_paged_attention_fuzz() -> None:
         if last_done == CASES - 1:
             break
         crashed = max(last_started, last_done + 1)
-        tail = " | ".join(stderr.strip().splitlines()[-3:])
         failures.append(f"case {crashed}: {_summary(draw_case(SEED, crashed))}: worker ended ({code}): "
                         f"{tail}")
         start = crashed + 1
