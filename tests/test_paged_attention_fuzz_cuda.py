@@ -12,8 +12,8 @@ within the dtype's tolerance.
 The cases run in a worker process, one after another; a case that breaks the process (a launch error
 leaves its CUDA context unusable) is reported as failed and the rest run in a new worker, so one bad
 launch cannot poison the others. The first cases are fixed shapes that once failed to launch. Budget:
-``TPKIT_FUZZ_CASES`` cases (default 300) from ``TPKIT_FUZZ_SEED`` (default 0); a long run by hand is e.g.
-``TPKIT_FUZZ_CASES=5000 python -m pytest tests/test_paged_attention_fuzz_cuda.py -s``.
+``TPKIT_FUZZ_CASES`` cases (default 1500) from ``TPKIT_FUZZ_SEED`` (default 0); a long run by hand is e.g.
+``TPKIT_FUZZ_CASES=20000 TPKIT_FUZZ_SEED=1 python -m pytest tests/test_paged_attention_fuzz_cuda.py -s``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-CASES = int(os.environ.get("TPKIT_FUZZ_CASES", "300"))
+CASES = int(os.environ.get("TPKIT_FUZZ_CASES", "1500"))
 SEED = int(os.environ.get("TPKIT_FUZZ_SEED", "0"))
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 HEAD_SIZES = (32, 64, 80, 96, 112, 120, 128, 192, 256)
