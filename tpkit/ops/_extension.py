@@ -46,6 +46,7 @@ _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 _lock = threading.Lock()
 _modules: dict[tuple[int, int], ModuleType | None] = {}
 _warned = False
+_warned_multitoken = False
 
 
 def extension_name(capability: tuple[int, int]) -> str:
@@ -124,6 +125,20 @@ def _warn_once(reason: str) -> None:
     )
 
 
+def _warn_multitoken_once() -> None:
+    global _warned_multitoken
+    if _warned_multitoken:
+        return
+    _warned_multitoken = True
+    warnings.warn(
+        "tpkit: paged_attention with query_start_loc (several query tokens a sequence: prefill, chunks, "
+        "speculative tokens) has no CUDA kernel yet; it runs the PyTorch implementation on the GPU, which is "
+        "correct but far slower than the one-token decode kernel.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
 def _find_module(capability: tuple[int, int]) -> ModuleType | None:
     from torch.utils.cpp_extension import CUDA_HOME
 
@@ -162,6 +177,8 @@ def paged_attention(
     seq_lens: torch.Tensor,
     scale: float,
     alibi_slopes: torch.Tensor | None,
+    query_start_loc: torch.Tensor | None = None,
+    causal: bool = True,
 ) -> bool:
     """Runs the CUDA decode-attention kernel into ``out``; False when no kernel is available here.
 
@@ -170,7 +187,13 @@ def paged_attention(
     ``[num_seqs, max_blocks_per_seq]``; seq_lens int32 ``[num_seqs]``; alibi_slopes float32 ``[num_heads]``
     or None. Raises ValueError for a configuration the kernel does not support (the message lists what
     is). No host synchronisation and no allocation that depends on values: safe in CUDA graphs.
+
+    With ``query_start_loc`` (several query tokens a sequence) there is no kernel yet: False, after a
+    warning (once) that the PyTorch implementation runs on the GPU instead.
     """
+    if query_start_loc is not None:
+        _warn_multitoken_once()
+        return False
     module = _module_for(query.device)
     if module is None:
         return False

@@ -7,8 +7,9 @@ built; and a fake implementation, so both run under ``torch.compile`` and in CUD
 
 Arguments are validated inside every implementation (fake included, so ``torch.compile`` reports bad
 shapes while tracing) without reading device memory. With the environment variable ``TPKIT_DEBUG=1`` the
-real implementations also check the contents of ``block_tables``, ``seq_lens`` and ``slot_mapping``,
-which synchronises with the device.
+real implementations also check the contents of ``block_tables``, ``seq_lens``, ``query_start_loc`` and
+``slot_mapping``, which synchronises with the device; ``query_start_loc`` on the CPU is always checked
+(reading host memory costs no sync).
 """
 
 import math
@@ -69,13 +70,19 @@ def _check_paged_attention(
     seq_lens: torch.Tensor,
     scale: float,
     alibi_slopes: torch.Tensor | None,
+    query_start_loc: torch.Tensor | None = None,
+    causal: bool = True,
     *,
     read_values: bool = False,
 ) -> None:
-    """Shapes, dtypes, devices and strides; with ``read_values`` also the contents of the tables (a sync)."""
+    """Shapes, dtypes, devices and strides; with ``read_values`` also the contents of the tables (a sync).
+    ``query_start_loc``'s contents are read with ``read_values`` or where it is a real CPU tensor."""
     op = "paged_attention"
     _check_tensor(op, "query", query, dim=3, dtypes=_FLOAT_DTYPES)
-    num_seqs, num_heads, head_size = query.shape
+    num_rows, num_heads, head_size = query.shape
+    # One query token a sequence, or sequences (as many as block_tables has rows) owning ranges of tokens.
+    num_seqs = num_rows if query_start_loc is None else block_tables.shape[0]
+    seqs_shape = "shape [num_seqs]" if query_start_loc is None else "shape [num_seqs] (that of block_tables)"
     _check_tensor(op, "out", out, dim=3, dtypes=(query.dtype,))
     _check_same(op, "out", "shape", list(query.shape), list(out.shape))
     _check_caches(op, key_cache, value_cache, query.dtype)
@@ -87,9 +94,17 @@ def _check_paged_attention(
     _check_tensor(op, "block_tables", block_tables, dim=2, dtypes=(torch.int32,))
     _check_same(op, "block_tables", "num_seqs (dim 0, that of query)", num_seqs, block_tables.shape[0])
     _check_tensor(op, "seq_lens", seq_lens, dim=1, dtypes=(torch.int32,))
-    _check_same(op, "seq_lens", "shape [num_seqs]", [num_seqs], list(seq_lens.shape))
+    _check_same(op, "seq_lens", seqs_shape, [num_seqs], list(seq_lens.shape))
     tensors = dict(out=out, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
                    seq_lens=seq_lens)
+    if query_start_loc is not None:
+        _check_tensor(op, "query_start_loc", query_start_loc, dim=1, dtypes=(torch.int32,))
+        _check_same(op, "query_start_loc", "shape [num_seqs + 1] (num_seqs that of block_tables)",
+                    [num_seqs + 1], list(query_start_loc.shape))
+        if num_seqs == 0 and num_rows > 0:
+            raise ValueError(f"{op}: query: expected no tokens (num_tokens 0) for no sequences (block_tables "
+                             f"has 0 rows), got shape {list(query.shape)}")
+        tensors["query_start_loc"] = query_start_loc
     if alibi_slopes is not None:
         _check_tensor(op, "alibi_slopes", alibi_slopes, dim=1, dtypes=(torch.float32,))
         _check_same(op, "alibi_slopes", "shape [num_heads]", [num_heads], list(alibi_slopes.shape))
@@ -97,6 +112,15 @@ def _check_paged_attention(
     _check_devices(op, "query", query, **tensors)
     if read_values:
         _check_table_values(key_cache, block_tables, seq_lens)
+    if query_start_loc is not None and (read_values or _on_host(query_start_loc)):
+        _check_query_start_loc_values(query_start_loc, seq_lens, num_rows)
+
+
+def _on_host(tensor: torch.Tensor) -> bool:
+    """A CPU tensor with real contents (not the fake tensors of ``torch.compile``'s tracing)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return tensor.device.type == "cpu" and not is_fake(tensor)
 
 
 def _check_table_values(key_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
@@ -114,6 +138,32 @@ def _check_table_values(key_cache: torch.Tensor, block_tables: torch.Tensor, seq
         i, j = (int(x) for x in bad_entries[0])
         raise ValueError(f"paged_attention: block_tables[{i}, {j}]: expected a block index in [0, "
                          f"{num_blocks}), got {int(block_tables[i, j])} (TPKIT_DEBUG check)")
+
+
+def _check_query_start_loc_values(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                                  num_tokens: int) -> None:
+    starts = query_start_loc.long()
+    num_seqs = starts.shape[0] - 1
+    debug = "" if _on_host(query_start_loc) else " (TPKIT_DEBUG check)"
+    if int(starts[0]) != 0:
+        raise ValueError(f"paged_attention: query_start_loc[0]: expected 0, got {int(starts[0])}{debug}")
+    query_lens = starts[1:] - starts[:-1]  # [num_seqs]
+    decreasing = (query_lens < 0).nonzero()
+    if decreasing.numel():
+        i = int(decreasing[0, 0])
+        raise ValueError(f"paged_attention: query_start_loc: expected non-decreasing entries, got "
+                         f"query_start_loc[{i + 1}] = {int(starts[i + 1])} after query_start_loc[{i}] = "
+                         f"{int(starts[i])}{debug}")
+    if int(starts[-1]) != num_tokens:
+        raise ValueError(f"paged_attention: query_start_loc[{num_seqs}]: expected num_tokens = {num_tokens} "
+                         f"(dim 0 of query), got {int(starts[-1])}{debug}")
+    # A sequence's query tokens are the last of its cached tokens: there are at most seq_lens of them.
+    too_many = (query_lens > seq_lens.long()).nonzero()
+    if too_many.numel():
+        i = int(too_many[0, 0])
+        raise ValueError(f"paged_attention: query_start_loc: expected at most seq_lens[{i}] = "
+                         f"{int(seq_lens[i])} query tokens for sequence {i} (its last tokens in the cache), "
+                         f"got {int(query_lens[i])}{debug}")
 
 
 def _check_reshape_and_cache(
@@ -206,7 +256,8 @@ def _schema_args(schema: str) -> list[str]:
 _define_op(
     "paged_attention",
     "(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-    "Tensor seq_lens, float scale, Tensor? alibi_slopes) -> ()",
+    "Tensor seq_lens, float scale, Tensor? alibi_slopes, Tensor? query_start_loc=None, "
+    "bool causal=True) -> ()",
     ("out",),
     _check_paged_attention,
     paged_attention_reference,
@@ -230,22 +281,40 @@ def paged_attention(
     scale: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    query_start_loc: torch.Tensor | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:
-    """Decode attention: each sequence's query attends to its keys and values in a paged cache.
+    """Attention of query tokens over their sequences' keys and values in a paged cache.
+
+    Without ``query_start_loc`` (decode): one query token a sequence, its last cached token, attending to
+    all of its keys. With it, any step shape (a prefill, a chunk after a cached prefix, speculative tokens,
+    a mix of those and decodes): sequence ``i`` owns query rows ``query_start_loc[i]:query_start_loc[i + 1]``
+    (``q_len_i`` of them, 0 allowed), the last ``q_len_i`` of its ``seq_lens[i]`` tokens in the cache (already
+    written there by :func:`reshape_and_cache`).
 
     Args:
-        query: ``[num_seqs, num_heads, head_size]``, float16, bfloat16 or float32.
+        query: ``[num_seqs, num_heads, head_size]``, or with ``query_start_loc`` ``[num_tokens, num_heads,
+            head_size]``; float16, bfloat16 or float32.
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``, query's dtype.
             Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)`` (MHA, GQA, MQA).
         block_tables: int32 ``[num_seqs, max_blocks_per_seq]``, logical block -> physical block. Entries
             past a sequence's last used block are never read.
         seq_lens: int32 ``[num_seqs]``, tokens of each sequence in the cache; 0 gives zeros.
         scale: score scale, default ``1 / sqrt(head_size)``.
-        alibi_slopes: optional float32 ``[num_heads]``: adds ``slope * (key_pos - (seq_len - 1))``.
+        alibi_slopes: optional float32 ``[num_heads]``: adds ``slope * (key_pos - query_pos)``, both cache
+            positions (a decode query stands at ``seq_len - 1``, query ``j`` of sequence ``i`` at
+            ``seq_lens[i] - q_len_i + j``).
         out: optional tensor shaped like ``query`` that receives the result.
+        query_start_loc: optional int32 ``[num_seqs + 1]``, non-decreasing from 0 to ``num_tokens``, with
+            ``q_len_i <= seq_lens[i]``. Its contents are checked on the CPU, and on GPUs under
+            ``TPKIT_DEBUG=1`` (a check there would synchronise).
+        causal: with ``query_start_loc``, query ``j`` of sequence ``i`` attends to cache positions
+            ``0 .. seq_lens[i] - q_len_i + j`` (bottom-right aligned, as FlashAttention's); False: to all
+            ``seq_lens[i]`` keys (cross-attention over an encoder's cached K/V). A decode query attends to
+            all of its sequence's keys either way.
 
     Returns:
-        ``[num_seqs, num_heads, head_size]`` in query's dtype (``out`` when given). Accumulation is float32.
+        query's shape and dtype (``out`` when given). Accumulation is float32.
     """
     if not isinstance(query, torch.Tensor):
         raise TypeError(f"paged_attention: query: expected a torch.Tensor, got {type(query).__name__}")
@@ -253,10 +322,12 @@ def paged_attention(
         scale = 1.0 / math.sqrt(query.shape[-1])
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"paged_attention: scale: expected a float or None, got {type(scale).__name__}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"paged_attention: causal: expected a bool, got {type(causal).__name__}")
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     torch.ops.tpkit.paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, float(scale),
-                                    alibi_slopes)
+                                    alibi_slopes, query_start_loc, causal)
     return out
 
 
