@@ -37,7 +37,6 @@ class StaticDecodeStep:
         # Every row starts as padding: no slot written, nothing attended.
         self.metadata = {
             name: AttentionMetadata(
-                is_prefill=False,
                 slot_mapping=torch.full((batch,), -1, dtype=torch.int64, device=device),
                 block_tables=torch.zeros(batch, width, dtype=torch.int32, device=device),
                 seq_lens=torch.zeros(batch, dtype=torch.int32, device=device),
