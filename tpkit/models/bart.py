@@ -15,6 +15,7 @@ In training, dropout (``dropout``, ``attention_dropout``, ``activation_dropout``
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -290,16 +291,38 @@ class BartForConditionalGeneration(PagedLM):
                              "positions (max_position_embeddings)")
         return {"self": [max_new_tokens] * len(prompt_lens), "cross": list(prompt_lens)}
 
-    def _prefill(self, prompts: list[list[int]], caches: Mapping[str, PagedKVCache]) -> torch.Tensor:
-        batch, device = len(prompts), self.device
-        prompt_lens = [len(ids) for ids in prompts]
-        encoder_states = self.encode(right_pad(prompts, device), torch.tensor(prompt_lens, device=device))
-        metadata = {"self": caches["self"].prefill_metadata(range(batch), [1] * batch),
-                    "cross": caches["cross"].prefill_metadata(range(batch), prompt_lens)}
-        start = torch.full((batch, 1), self.decoder_start_token_id, dtype=torch.int64, device=device)
-        positions = torch.zeros(batch, 1, dtype=torch.int64, device=device)
-        hidden = self.decode(start, positions, encoder_states, caches, metadata)  # [batch, 1, d_model]
-        return self.compute_logits(hidden[:, 0])
+    def _prefill(self, prompts: list[list[int]], caches: Mapping[str, PagedKVCache],
+                 prefix_caching: bool = False, max_prefill_tokens: int | None = None) -> torch.Tensor:
+        # The decoder's prompt is its start token alone, shorter than a block: the prefix cache has nothing
+        # to share. A step runs at most max_prefill_tokens of them, each with its sequence's encoder pass.
+        group = max_prefill_tokens or len(prompts)
+        return torch.cat([self._prefill_group(prompts, range(first, min(first + group, len(prompts))), caches)
+                          for first in range(0, len(prompts), group)])
+
+    def _prefill_group(self, prompts: list[list[int]], seq_ids: range,
+                       caches: Mapping[str, PagedKVCache]) -> torch.Tensor:
+        """The encoder over the prompts of ``seq_ids``, their K/V into the cross cache, and the decoder's
+        start tokens: one packed step. Logits of the first new tokens ``[len(seq_ids), vocab]``."""
+        device, batch = self.device, len(seq_ids)
+        prompt_lens = [len(prompts[i]) for i in seq_ids]
+        encoder_states = self.encode(right_pad([prompts[i] for i in seq_ids], device),
+                                     torch.tensor(prompt_lens, device=device))  # [batch, src_len, d_model]
+        # The encoder's tokens packed (padding dropped), one per slot of the cross cache's prefill:
+        # [1, sum(prompt_lens), d_model].
+        src_len = encoder_states.shape[1]
+        index = [i * src_len + j for i, n in enumerate(prompt_lens) for j in range(n)]
+        encoder_tokens = encoder_states.flatten(0, 1)[torch.tensor(index, device=device)][None]
+        self_metadata = caches["self"].prefill_metadata(seq_ids, [1] * batch)
+        # Cross-attention's queries are the decoder's tokens: self-attention's query layout, over the
+        # encoder's keys.
+        cross_metadata = dataclasses.replace(caches["cross"].prefill_metadata(seq_ids, prompt_lens),
+                                             query_lens=self_metadata.query_lens,
+                                             query_start_loc=self_metadata.query_start_loc)
+        start = torch.full((1, batch), self.decoder_start_token_id, dtype=torch.int64, device=device)
+        positions = torch.zeros(1, batch, dtype=torch.int64, device=device)
+        hidden = self.decode(start, positions, encoder_tokens, caches,
+                             {"self": self_metadata, "cross": cross_metadata})  # [1, batch, d_model]
+        return self.compute_logits(hidden[0])
 
     def _decode_metadata(self, caches: Mapping[str, PagedKVCache], seq_ids: Sequence[int],
                          max_blocks: Mapping[str, int] | None = None) -> dict[str, AttentionMetadata]:

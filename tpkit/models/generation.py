@@ -1,8 +1,10 @@
 """Generation on a paged KV cache: the one loop and the one sampler that every tpkit model uses.
 
-A batch of ragged prompts runs together: one prefill (right-padded to the longest prompt; padding writes
-nothing to the cache), then one paged decode step per token for every unfinished sequence. A sequence stops
-after its EOS token (kept in its output) and its KV blocks go back to the cache at once.
+A batch of ragged prompts runs together: the prefill, in packed steps of the prompts' tokens (one step, or
+chunks of at most ``max_prefill_tokens`` tokens; with ``prefix_caching`` a prompt's first blocks that are
+already in the cache are not computed again), then one paged decode step per token for every unfinished
+sequence. A sequence stops after its EOS token (kept in its output) and its KV blocks go back to the cache at
+once (those holding a prompt's full blocks stay in the prefix cache, for later prompts that start alike).
 
 Sampling is the same on every rank by construction: rank 0 of the tensor-parallel group draws the tokens
 (greedy, or with its seeded generator) and broadcasts them, so ranks can never drift apart, even where an
@@ -252,9 +254,11 @@ class PagedLM(nn.Module, ABC):
         """Per cache name, the tokens each sequence will store; a ValueError if positions run out."""
 
     @abstractmethod
-    def _prefill(self, prompts: list[list[int]], caches: Mapping[str, PagedKVCache]) -> torch.Tensor:
+    def _prefill(self, prompts: list[list[int]], caches: Mapping[str, PagedKVCache],
+                 prefix_caching: bool = False, max_prefill_tokens: int | None = None) -> torch.Tensor:
         """Run the prompts (sequence ids 0..batch-1), fill the caches; logits of the first new token
-        ``[batch, vocab]``."""
+        ``[batch, vocab]``. ``prefix_caching``: reuse (and register) the prompts' full blocks in the prefix
+        cache; ``max_prefill_tokens``: the most prompt tokens one step runs (None: every prompt at once)."""
 
     @abstractmethod
     def _decode_metadata(self, caches: Mapping[str, PagedKVCache], seq_ids: Sequence[int],
@@ -272,8 +276,8 @@ class PagedLM(nn.Module, ABC):
     @torch.inference_mode()
     def generate(self, prompts: Prompts, max_new_tokens: int, *, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                 ignore_eos: bool = False, cuda_graph: bool = False,
-                 compile: bool = False) -> list[list[int]]:
+                 ignore_eos: bool = False, cuda_graph: bool = False, compile: bool = False,
+                 prefix_caching: bool = False, max_prefill_tokens: int | None = None) -> list[list[int]]:
         """Generate up to ``max_new_tokens`` tokens for each prompt; returns each prompt's new tokens.
 
         prompts: token-id lists of any lengths, or a 2-D tensor. temperature 0 is greedy; otherwise
@@ -284,12 +288,23 @@ class PagedLM(nn.Module, ABC):
         ``cuda_graph`` replays the decode step from a CUDA graph captured for this batch shape (the first
         call for a shape captures it). ``compile`` runs the decode step through ``torch.compile``, which
         fuses its small element-wise kernels (compiled on first use, again for each new batch shape).
+        ``prefix_caching`` reuses the K/V of a prompt's first full blocks (``kv_block_size`` tokens each)
+        where an earlier prompt, of this call or of an earlier one, started with the same tokens, and keeps
+        this call's for later ones (in the model's caches, while they are big enough). ``max_prefill_tokens``
+        prefills in steps of at most that many prompt tokens, a long prompt in chunks. Neither changes the
+        tokens generated (up to floating-point rounding).
         """
         if self.sequence_parallel:
             raise ValueError(NO_GENERATION)
         token_lists = check_prompts(prompts, self.vocab_size)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        if not isinstance(prefix_caching, bool):
+            raise TypeError(f"prefix_caching must be a bool, got {type(prefix_caching).__name__}")
+        if max_prefill_tokens is not None and (isinstance(max_prefill_tokens, bool)
+                                               or not isinstance(max_prefill_tokens, int)
+                                               or max_prefill_tokens < 1):
+            raise ValueError(f"max_prefill_tokens must be None or an int >= 1, got {max_prefill_tokens!r}")
         device = self.device
         if cuda_graph and device.type != "cuda":
             raise ValueError(f"cuda_graph=True needs the model on a CUDA device, it is on {device}")
@@ -321,7 +336,7 @@ class PagedLM(nn.Module, ABC):
         live = set(seq_ids)
         prefilled = False
         try:
-            logits = self._prefill(token_lists, caches)
+            logits = self._prefill(token_lists, caches, prefix_caching, max_prefill_tokens)
             prefilled = True
             tokens = self._next_tokens(sample, logits, 0, max_new_tokens)  # [len(seq_ids)]
             for i in range(max_new_tokens):
@@ -378,9 +393,15 @@ class PagedLM(nn.Module, ABC):
         for cache in caches.values():
             cache.free(seq_id)
 
+    def new_kv_cache(self, num_blocks: int, name: str = "self") -> PagedKVCache:
+        """A paged KV cache of ``num_blocks`` blocks for this model's cache ``name``, on its device, in its
+        dtype (for :meth:`PagedDecoderOnlyLM.forward_on_cache`; ``generate`` manages its own)."""
+        num_layers, num_kv_heads, head_size = self.kv_cache_layout()[name]
+        return PagedKVCache(num_layers, num_blocks, self.kv_block_size, num_kv_heads, head_size,
+                            dtype=self.dtype, device=self.device)
+
     def _reserve_kv_caches(self, needs: Mapping[str, Sequence[int]]) -> dict[str, PagedKVCache]:
         """Caches with room for ``needs`` (tokens per sequence, per cache); the last ones if they fit."""
-        layout = self.kv_cache_layout()
         for name, tokens in needs.items():
             num_blocks = sum(-(-t // self.kv_block_size) for t in tokens)
             cache = self._kv_caches.get(name)
@@ -390,9 +411,7 @@ class PagedLM(nn.Module, ABC):
                 # before allocating the new one.
                 self._kv_caches.pop(name, None)
                 self._drop_graphs()
-                num_layers, num_kv_heads, head_size = layout[name]
-                self._kv_caches[name] = PagedKVCache(num_layers, num_blocks, self.kv_block_size, num_kv_heads,
-                                                     head_size, dtype=self.dtype, device=self.device)
+                self._kv_caches[name] = self.new_kv_cache(num_blocks, name)
         return {name: self._kv_caches[name] for name in needs}
 
     def _decode_and_draw(self, input_ids: torch.Tensor, metadata: Mapping[str, AttentionMetadata],
@@ -465,14 +484,90 @@ class PagedDecoderOnlyLM(PagedLM):
                              f"exceeds the model's {self.max_positions} positions (max_position_embeddings)")
         return {"self": tokens}
 
-    def _prefill(self, prompts: list[list[int]], caches: Mapping[str, PagedKVCache]) -> torch.Tensor:
-        prompt_lens = [len(ids) for ids in prompts]
-        metadata = caches["self"].prefill_metadata(range(len(prompts)), prompt_lens)
-        input_ids = right_pad(prompts, self.device)  # [batch, max_len]
-        positions = torch.arange(input_ids.shape[1], device=self.device).expand_as(input_ids)
-        hidden = self.hidden_states(input_ids, positions, caches["self"], metadata)  # [batch, len, hidden]
-        last = torch.tensor(prompt_lens, device=self.device) - 1
-        return self.compute_logits(hidden[torch.arange(len(prompts), device=self.device), last])
+    def _prefill(self, prompts: list[list[int]], caches: Mapping[str, PagedKVCache],
+                 prefix_caching: bool = False, max_prefill_tokens: int | None = None) -> torch.Tensor:
+        cache = caches["self"]
+        budget = max_prefill_tokens or sum(len(ids) for ids in prompts)
+        cached: list[int] = []  # per started prompt, its tokens in the cache
+        logits = []  # [finished, vocab] per step, prompts finishing in order
+        while len(cached) < len(prompts) or cached[-1] < len(prompts[-1]):
+            # First come, first served: the oldest unfinished prompt's next tokens, then the next prompt's. A
+            # prompt looks up its prefix when it starts, after the blocks of every earlier one are mapped
+            # (written in this step at the latest, and each layer writes its K/V before it attends).
+            chunks, ends = [], []  # (seq_id, start, token_ids); rows of prompts' last tokens
+            seq_id = len(cached)
+            if cached and cached[-1] < len(prompts[seq_id - 1]):
+                seq_id -= 1  # the prompt the last step left unfinished (only the last started one can be)
+            rows = 0
+            while rows < budget and seq_id < len(prompts):
+                if seq_id == len(cached):
+                    cached.append(cache.add_sequence(seq_id, prompts[seq_id] if prefix_caching else None))
+                start = cached[seq_id]
+                ids = prompts[seq_id][start:start + budget - rows]
+                cache.append_slots([seq_id], [len(ids)], token_ids=[ids] if prefix_caching else None)
+                chunks.append((seq_id, start, ids))
+                cached[seq_id] += len(ids)
+                rows += len(ids)
+                if cached[seq_id] == len(prompts[seq_id]):
+                    ends.append(rows - 1)
+                seq_id += 1
+            hidden = self._packed_step(cache, chunks)  # [rows, hidden]
+            if ends:
+                logits.append(self.compute_logits(hidden[torch.tensor(ends, device=self.device)]))
+        return torch.cat(logits)
+
+    def _packed_step(self, cache: PagedKVCache, chunks: list[tuple[int, int, list[int]]]) -> torch.Tensor:
+        """One packed step of token chunks ``(seq_id, start, token_ids)``, already appended to the cache (the
+        tokens at positions ``start ..`` of their sequence); final hidden states ``[num_tokens, hidden]``."""
+        metadata = cache.step_metadata([seq_id for seq_id, _, _ in chunks],
+                                       [len(ids) for _, _, ids in chunks])
+        input_ids = torch.tensor([[token for _, _, ids in chunks for token in ids]], device=self.device)
+        positions = torch.tensor([[p for _, start, ids in chunks for p in range(start, start + len(ids))]],
+                                 device=self.device)  # [1, num_tokens], as input_ids
+        return self.hidden_states(input_ids, positions, cache, metadata)[0]
+
+    @torch.inference_mode()
+    def forward_on_cache(self, kv_cache: PagedKVCache, seq_ids: Sequence[int],
+                         token_ids: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Run new tokens of several sequences in one step on ``kv_cache`` (from :meth:`new_kv_cache`) and
+        return the logits at every new position: speculative verification (a draft's tokens after each
+        sequence's accepted ones; ``kv_cache.truncate(seq_id, k)`` then drops the ``k`` rejected), or a
+        prefill that keeps every prompt position's logits.
+
+        seq_ids: distinct ids; a cached sequence continues, an unknown one starts empty. token_ids: each
+        sequence's new tokens, at least one. Returns per sequence float logits ``[len(token_ids[i]), vocab]``,
+        row ``j`` scoring the token after ``token_ids[i][j]``. The tokens stay in the cache.
+        """
+        if self.sequence_parallel:
+            raise ValueError(NO_GENERATION)
+        layout = (self.num_layers, self.num_kv_heads, self.head_size, self.kv_block_size, self.dtype,
+                  self.device)
+        got = (kv_cache.num_layers, kv_cache.num_kv_heads, kv_cache.head_size, kv_cache.block_size,
+               kv_cache.dtype, kv_cache.device)
+        if got != layout:
+            raise ValueError(f"kv_cache: expected (num_layers, num_kv_heads, head_size, block_size, dtype, "
+                             f"device) = {layout} (see new_kv_cache), got {got}")
+        token_lists = check_prompts(token_ids, self.vocab_size)
+        seq_ids = list(seq_ids)
+        if len(seq_ids) != len(token_lists) or len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"seq_ids: expected {len(token_lists)} distinct ids (one per token list), got "
+                             f"{seq_ids}")
+        starts = [kv_cache.seq_len(seq_id) if seq_id in kv_cache else 0 for seq_id in seq_ids]
+        for seq_id, start, ids in zip(seq_ids, starts, token_lists, strict=True):
+            if start + len(ids) > self.max_positions:
+                raise ValueError(f"seq_id {seq_id}: {start} cached + {len(ids)} new tokens exceed the "
+                                 f"model's {self.max_positions} positions (max_position_embeddings)")
+        new = [seq_id for seq_id in seq_ids if seq_id not in kv_cache]
+        for seq_id in new:
+            kv_cache.add_sequence(seq_id)
+        try:
+            kv_cache.append_slots(seq_ids, [len(ids) for ids in token_lists])
+        except RuntimeError:
+            for seq_id in new:  # out of blocks: as it was
+                kv_cache.free(seq_id)
+            raise
+        hidden = self._packed_step(kv_cache, list(zip(seq_ids, starts, token_lists, strict=True)))
+        return list(self.compute_logits(hidden).split([len(ids) for ids in token_lists]))
 
     def _decode_metadata(self, caches: Mapping[str, PagedKVCache], seq_ids: Sequence[int],
                          max_blocks: Mapping[str, int] | None = None) -> dict[str, AttentionMetadata]:
