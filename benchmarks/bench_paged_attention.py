@@ -427,6 +427,15 @@ def _vllm_us() -> dict[str, float]:
     return {key: min(times.values()) for key, times in baselines.items()}
 
 
+def add_timer_args(parser: argparse.ArgumentParser, *, min_kv_mb: float) -> None:
+    """The timer's options (see :func:`_graph_time_us`): --min-kv-mb, --replays, --replay-ms."""
+    parser.add_argument("--min-kv-mb", type=float, default=min_kv_mb,
+                        help="KV read between two reads of the same bytes (MB)")
+    parser.add_argument("--replays", type=int, default=30)
+    parser.add_argument("--replay-ms", type=float, default=20.0,
+                        help="ms a replay takes, in rounds of the input sets (0: one round)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -435,11 +444,7 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="comma-separated names of the built-in configs to run")
     parser.add_argument("--impls", default=None,
                         help="comma-separated implementations to run (default: all), e.g. tpkit,sdpa-cudnn")
-    parser.add_argument("--min-kv-mb", type=float, default=512.0,
-                        help="KV read between two reads of the same bytes (MB)")
-    parser.add_argument("--replays", type=int, default=30)
-    parser.add_argument("--replay-ms", type=float, default=20.0,
-                        help="ms a replay takes, in rounds of the input sets (0: one round)")
+    add_timer_args(parser, min_kv_mb=512.0)
     parser.add_argument("--flex-budget-s", type=float, default=90.0,
                         help="total seconds for FlexAttention (compiles included); 0 skips it")
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/paged_attention_h200.json"))

@@ -315,11 +315,7 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="shrunk configurations (a smoke test)")
     parser.add_argument("--only", default=None, help="comma-separated configuration names, e.g. P1,MIX")
     parser.add_argument("--impls", default=None, help="comma-separated implementations (default: all)")
-    parser.add_argument("--min-kv-mb", type=float, default=256.0,
-                        help="KV read between two reads of the same bytes (MB), on a GPU")
-    parser.add_argument("--replays", type=int, default=30)
-    parser.add_argument("--replay-ms", type=float, default=20.0,
-                        help="ms a replay takes, in rounds of the input sets (0: one round)")
+    decode_bench.add_timer_args(parser, min_kv_mb=256.0)
     parser.add_argument("--impl-budget-s", type=float, default=30.0,
                         help="seconds of replays an implementation gets at most (slow ones replay less)")
     parser.add_argument("--json", type=Path, default=None,

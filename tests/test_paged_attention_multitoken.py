@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 from cuda_graphs import capture
-from test_paged_attention import TOLERANCE, make_case
+from test_paged_attention import TOLERANCE, assert_compiled_step_matches_eager, make_case
 
 import tpkit.ops.paged_attention_reference as reference
 from tpkit.attention import paged_attention, reshape_and_cache
@@ -207,12 +207,7 @@ def test_torch_compile_fullgraph():
         return paged_attention(query * 2, key_cache, value_cache, case["block_tables"], case["seq_lens"],
                                query_start_loc=case["query_start_loc"]) + 1
 
-    eager_caches = (case["key_cache"].clone(), case["value_cache"].clone())
-    compiled_caches = (case["key_cache"].clone(), case["value_cache"].clone())
-    expected = step(case["query"], key, value, *eager_caches)
-    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
-    torch.testing.assert_close(compiled(case["query"], key, value, *compiled_caches), expected)
-    assert torch.equal(compiled_caches[0].nan_to_num(), eager_caches[0].nan_to_num())
+    assert_compiled_step_matches_eager(step, case, key, value)
 
 
 def _valid_case():
