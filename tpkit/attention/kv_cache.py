@@ -236,7 +236,7 @@ class PagedKVCache:
                 raise ValueError(f"PagedKVCache.step_metadata: query_lens: expected at most seq_len = "
                                  f"{self._seq_lens[seq_id]} tokens for seq_id {seq_id} (the tokens it holds: "
                                  f"append_slots first), got {q_len}")
-        width = self._check_width(seq_ids, block_table_width, "step_metadata", grows=())
+        width = self._check_width(seq_ids, block_table_width, "step_metadata", grows=set())
         block_tables = self._block_tables(seq_ids, width)  # [num_seqs, width]
         seq_lens = torch.tensor([self._seq_lens[seq_id] for seq_id in seq_ids])  # [num_seqs]
         q_lens = torch.tensor(lens, dtype=torch.int64)  # [num_seqs]
@@ -279,7 +279,7 @@ class PagedKVCache:
         seq_ids = self._check_seq_ids(seq_ids)
         for seq_id in seq_ids:
             self._check_known(seq_id)
-        growing = [seq_id for seq_id in seq_ids if append and self._seq_lens[seq_id] % self.block_size == 0]
+        growing = {seq_id for seq_id in seq_ids if append and self._seq_lens[seq_id] % self.block_size == 0}
         width = self._check_width(seq_ids, block_table_width, "decode_metadata", grows=growing)
         self._check_available(sum(self._append_cost(seq_id, 1) for seq_id in seq_ids) if append else 0,
                               "decode")
@@ -353,25 +353,32 @@ class PagedKVCache:
 
     def _append(self, seq_id: int, num_tokens: int, token_ids: list[int] | None) -> None:
         """Appends checked tokens (the blocks are there: see :meth:`_append_cost`)."""
-        if num_tokens == 0:
-            return
         length, blocks = self._seq_lens[seq_id], self._seq_blocks[seq_id]
-        if length % self.block_size:
+        if num_tokens and length % self.block_size:
             # The first token goes into the last block: it must be this sequence's alone, and hold no
             # longer the tokens the prefix cache knows it by.
             last = blocks[-1]
             if self._pool.ref_count(last) > 1:
                 blocks[-1] = self._copy_block(last)
                 self._pool.release([last])
-            else:
+            elif self._pool.is_registered(last):
                 self._pool.unregister(last)
-        blocks += self._pool.allocate(-(-(length + num_tokens) // self.block_size) - len(blocks))
-        self._seq_lens[seq_id] = length + num_tokens
+        end = length + num_tokens
+        grow = -(-end // self.block_size) - len(blocks)
+        if grow:
+            blocks += self._pool.allocate(grow)
+        self._seq_lens[seq_id] = end
+        if token_ids is not None:
+            self._register_tokens(seq_id, length, token_ids)
+
+    def _register_tokens(self, seq_id: int, start: int, token_ids: list[int]) -> None:
+        """Records the ids of tokens ``start ..`` of ``seq_id`` and registers the blocks they fill in the
+        prefix cache, where the ids of every token before them are known (else the chain ended earlier)."""
         known = self._seq_tokens[seq_id]
-        if token_ids is None or len(known) != length:
-            return  # the tokens are unknown, or follow a gap: the chain of known tokens ends here
+        if len(known) != start:
+            return
         known += token_ids
-        hashes = self._seq_hashes[seq_id]
+        hashes, blocks = self._seq_hashes[seq_id], self._seq_blocks[seq_id]
         for index in range(len(hashes), len(known) // self.block_size):
             parent = hashes[-1] if hashes else ROOT_HASH
             hashes.append(block_hash(parent, known[index * self.block_size:(index + 1) * self.block_size]))
@@ -423,7 +430,7 @@ class PagedKVCache:
         return [_as_token_ids(ids, where, seq_id, count)
                 for seq_id, count, ids in zip(seq_ids, counts, token_ids, strict=True)]
 
-    def _check_width(self, seq_ids: list[int], width: int | None, where: str, grows: Sequence[int]) -> int:
+    def _check_width(self, seq_ids: list[int], width: int | None, where: str, grows: set[int]) -> int:
         needed = max(len(self._seq_blocks[seq_id]) + (seq_id in grows) for seq_id in seq_ids)
         if width is None:
             return needed
