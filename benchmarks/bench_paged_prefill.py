@@ -38,6 +38,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_paged_attention as decode_bench  # noqa: E402
+from flashinfer_decode import import_error  # noqa: E402
 
 from tpkit.ops import paged_attention  # noqa: E402
 
@@ -327,12 +328,8 @@ def main() -> None:
         parser.error("--device cuda needs a CUDA GPU (--device cpu --small runs a smoke test)")
     if device.type == "cpu":
         args.replays = min(args.replays, 3)
-    try:
-        import flashinfer  # noqa: F401
-
-        have_flashinfer = device.type == "cuda"
-    except ImportError:
-        have_flashinfer = False
+    reason = import_error()
+    have_flashinfer = reason is None and device.type == "cuda"
 
     baselines = load_baselines()
     configs = [c for c in configs_from(baselines, args.small)
@@ -340,8 +337,8 @@ def main() -> None:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         print(f"{props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, CUDA "
-              f"{torch.version.cuda}; python {platform.python_version()}; flashinfer "
-              f"{'yes' if have_flashinfer else 'not installed'}")
+              f"{torch.version.cuda}; python {platform.python_version()}; FlashInfer "
+              f"{'installed' if have_flashinfer else f'not installed ({reason})'}")
     else:
         print(f"CPU; torch {torch.__version__}; python {platform.python_version()} (a smoke test)")
     print(f"anchors: {baselines['gpu']}, {baselines['software']}, {baselines['measured']}")

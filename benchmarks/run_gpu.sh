@@ -9,6 +9,7 @@
 #              sanitize    compute-sanitizer memcheck of a few kernel cases
 #              demo        python -m tpkit.demo, eager and with CUDA graphs
 #              attention   bench_paged_attention.py      decode-gemm  bench_decode_gemm.py
+#              prefill     bench_paged_prefill.py (several query tokens a sequence)
 #              latency     bench_latency.py              profile      profile_generate.py
 #              cross-qkv   bench_cross_qkv.py --device cuda
 # Several GPUs: torchrun-tests  the suite under torchrun (NCCL), then the test that starts its own NCCL ranks
@@ -26,7 +27,7 @@ LOGS=${LOGS:-benchmarks/logs}
 mkdir -p "$LOGS"
 NPROC=${NPROC:-$(nvidia-smi --list-gpus | wc -l)}
 TP_SIZES=$(python3 -c "print(','.join(str(t) for t in (1, 2, 4, 8) if t <= $NPROC))")
-SINGLE=(build tests sanitize demo attention decode-gemm latency profile cross-qkv)
+SINGLE=(build tests sanitize demo attention prefill decode-gemm latency profile cross-qkv)
 MULTI=(torchrun-tests examples tp-scaling parity loader allreduce)
 PYTEST=(-m pytest -q -p no:cacheprovider --tb=short -rfE)
 
@@ -72,6 +73,7 @@ _extension.build(torch.cuda.get_device_capability())" ;;
                 python3 "${PYTEST[@]}" "${SANITIZE_CASES[@]}" ;;
     demo) python3 -m tpkit.demo && python3 -m tpkit.demo --cuda-graph ;;
     attention) python3 benchmarks/bench_paged_attention.py ;;
+    prefill) python3 benchmarks/bench_paged_prefill.py ;;
     decode-gemm) python3 benchmarks/bench_decode_gemm.py --json benchmarks/results/decode_gemm_gpu.json ;;
     latency) python3 benchmarks/bench_latency.py ;;
     profile) python3 benchmarks/profile_generate.py --top 40 ;;
