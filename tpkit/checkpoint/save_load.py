@@ -54,8 +54,10 @@ def _dcp_quietly() -> Iterator[None]:
     it is deprecated (``tpkit.checkpoint.state_dict`` says why tpkit uses it)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor", category=FutureWarning)
-        # In a single process DCP warns that it assumes one, as it is told (no_dist).
+        # In a single process DCP warns that it assumes one, as it is told (no_dist); and it warns that it
+        # overwrites an existing checkpoint, as save's docstring says it does.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        warnings.filterwarnings("ignore", message="Detected an existing checkpoint", category=UserWarning)
         yield
 
 
@@ -106,10 +108,10 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     Call it on every rank of the tensor-parallel group, or in a single process without torch.distributed
     (tp_size 1). ``extra``: str keys; tensors (the same on every rank) and JSON values, returned by
     :func:`load`. The optimizer's state tensors are either shaped like their parameters (sharded with them)
-    or 0-d (AdamW's ``step``). ``async_save=True`` returns at once with the future of ``dcp.async_save``,
-    once the tensors are copied to host memory (training may go on); wait on it (``.result()``) before the
-    next save. Under NCCL, DCP's async save needs a CPU backend in the default group
-    (``init_process_group("cpu:gloo,cuda:nccl")``).
+    or 0-d (AdamW's ``step``). A checkpoint already at ``path`` is overwritten. ``async_save=True`` returns
+    at once with the future of ``dcp.async_save``, once the tensors are copied to host memory (training may
+    go on); wait on it (``.result()``) before the next save. Under NCCL, DCP's async save needs a CPU
+    backend in the default group (``init_process_group("cpu:gloo,cuda:nccl")``).
     """
     layout = ModelLayout(model)
     # An asynchronous save writes from copies in host memory, so that training may go on meanwhile.

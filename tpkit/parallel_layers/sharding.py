@@ -62,8 +62,8 @@ def _refuse_plain_dcp(tensor: torch.Tensor, name: str, tp_rank: int, tp_size: in
     """Marks a rank's shard in a ``state_dict`` so that torch.distributed.checkpoint refuses it.
 
     DCP asks a state dict value for ``__create_write_items__`` (saving) and ``__create_chunk_list__``
-    (loading) before treating it as a plain tensor; both raise TypeError here. ``__getstate__`` keeps the marks out of
-    ``torch.save``'s pickle, so such files load with ``weights_only=True`` as before.
+    (loading) before treating it as a plain tensor; both raise TypeError here. ``__getstate__`` keeps the
+    marks out of ``torch.save``'s pickle, so such files load with ``weights_only=True`` as before.
     """
     message = (f"{name} is tp rank {tp_rank}'s shard of a parameter split over {tp_size} ranks: "
                "torch.distributed.checkpoint would store one rank's shard for all of them. Save "
