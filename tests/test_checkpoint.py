@@ -195,6 +195,31 @@ def test_export_loads_into_from_pretrained_at_another_tp_size(sessions):
 
 # --- DCP of a plain state_dict; async saves; GPT-BigCode's fused export ----------------------------------
 
+def _check_shard_parts() -> None:
+    """Every layer's ``shard_parts`` places the rows its ``weight_loader`` loads: random logical tensors
+    loaded part by part, then each part's rows read back through ``ShardPart.local``."""
+    from tpkit.parallel_layers import (
+        MergedColumnParallelLinear,
+        ParallelLMHead,
+        QKVParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+    )
+
+    on = {"device": device()}
+    layers = [QKVParallelLinear(16, 4, 4, 1, **on),  # one KV head: replicated over 2 ranks
+              MergedColumnParallelLinear(16, [8, 12], **on), RowParallelLinear(16, 8, **on),
+              VocabParallelEmbedding(VOCAB, 8, **on), ParallelLMHead(VOCAB, 8, bias=True, **on)]
+    generator = torch.Generator().manual_seed(5)
+    for layer in layers:
+        for param in layer.parameters():
+            for part in layer.shard_parts(param):
+                full = torch.randn(part.shape, generator=generator).to(device())
+                layer.weight_loader(param, full, part.shard_id)
+                expected = full if part.dim is None else full.narrow(part.dim, part.start, part.length)
+                assert torch.equal(part.local(param), expected), (type(layer).__name__, part)
+
+
 def plain_dcp(work: str, gpt_bigcode: str) -> dict:
     import torch.distributed.checkpoint as dcp
 
@@ -203,6 +228,7 @@ def plain_dcp(work: str, gpt_bigcode: str) -> dict:
     from tpkit.parallel_layers import ColumnParallelLinear, get_tp_rank, init_tensor_parallel
 
     init_tensor_parallel(2)
+    _check_shard_parts()
     work = Path(work)
     layer = ColumnParallelLinear(16, 8, device=device())
     refusals = []
@@ -314,3 +340,20 @@ def _bad_inputs(llama: str, bart: str, checkpoint: Path, scratch: Path) -> None:
 def test_bad_input_is_refused_before_anything_changes(sessions, tmp_path):
     paths, work, _ = sessions
     _in_process(_bad_inputs, paths["llama"], paths["bart"], Path(work) / "llama-tp1", tmp_path)
+
+
+def test_export_of_interleaved_c_attn_loads_into_transformers(tmp_path):
+    """GPT-BigCode without multi_query stores c_attn interleaved per head: the export interleaves it back."""
+    from transformers import GPTBigCodeForCausalLM
+
+    from tpkit.checkpoint import export_hf
+    from tpkit.models import from_pretrained
+
+    make_gpt_bigcode_checkpoint(tmp_path / "in", multi_query=False, vocab_size=VOCAB, n_layer=1)
+    model = from_pretrained(tmp_path / "in")
+    export_hf(tmp_path / "out", model, model.config)
+    ids = _batch("llama", 0)[0]
+    with torch.no_grad():
+        expected = model(ids)
+        logits = GPTBigCodeForCausalLM.from_pretrained(tmp_path / "out").eval()(ids).logits
+    torch.testing.assert_close(logits, expected, **LOGITS)
