@@ -144,9 +144,11 @@ def export_hf(path: str | os.PathLike, model: nn.Module, config: Mapping[str, An
     Call it on every rank of the tensor-parallel group (or in a single process); tp rank 0 writes, and
     every rank returns once the directory is complete. ``dtype``: cast every tensor (default: as they are).
     The names are the checkpoint's (module docstring), so ``from_pretrained(path)`` loads the model back at
-    any tp_size, and transformers loads it.
+    any tp_size, and transformers loads it. A config without ``architectures`` gets the model's class name.
     """
     config = _config_dict(config)
+    # from_pretrained picks the class from it; tpkit's model classes bear transformers' architecture names.
+    config.setdefault("architectures", [type(model).__name__])
     max_bytes = _max_shard_bytes(max_shard_size)
     layout = ModelLayout(model)
     tp, entries, device = layout.tp, layout.entries, collective_device(layout.tp)
