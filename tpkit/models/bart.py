@@ -346,6 +346,13 @@ class BartForConditionalGeneration(PagedLM):
         return load_weights(self, self._final_logits_bias_as_head_bias(weights), self.stacked_params_mapping,
                             rename=lambda name: name.removeprefix("model."), ignore=ignore)
 
+    def export_weights(self, weights: Iterable[tuple[str, torch.Tensor]]
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The LM head's bias back as transformers' ``final_logits_bias`` ``[1, vocab]``; the rest as
+        :meth:`PagedLM.export_weights`."""
+        for name, tensor in super().export_weights(weights):
+            yield ("final_logits_bias", tensor[None]) if name == "lm_head.bias" else (name, tensor)
+
     def _final_logits_bias_as_head_bias(self, weights: Iterable[tuple[str, Any]]
                                         ) -> Iterator[tuple[str, Any]]:
         """transformers keeps ``final_logits_bias`` ``[1, vocab]`` apart; here it is the LM head's bias.

@@ -20,7 +20,7 @@ import math
 import operator
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -211,6 +211,8 @@ class PagedLM(nn.Module, ABC):
     # at max_new_tokens - 1 of any model, forced (the EOS one wins where both fall on one step).
     forced_bos_token_id: int | None = None
     forced_eos_token_id: int | None = None
+    # The prefix of the base model's names in transformers' checkpoints (the LM head's have none).
+    checkpoint_prefix = "model."
 
     def __init__(self) -> None:
         super().__init__()
@@ -218,6 +220,14 @@ class PagedLM(nn.Module, ABC):
         self._graphs: OrderedDict[tuple, DecodeGraph] = OrderedDict()  # least recently used first
         self._graph_pool: Any = None
         self._compiled_decode_steps: dict[str, Callable] = {}  # by the step's name
+
+    def export_weights(self, weights: Iterable[tuple[str, torch.Tensor]]
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The inverse of ``load_weights``' renaming, for ``tpkit.checkpoint.export_hf``: full tensors under
+        the model's names (stacked parameters already split by ``stacked_params_mapping``) -> transformers'
+        names."""
+        for name, tensor in weights:
+            yield (name if name.startswith("lm_head.") else self.checkpoint_prefix + name), tensor
 
     @property
     def device(self) -> torch.device:

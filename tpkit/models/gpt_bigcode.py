@@ -106,6 +106,8 @@ class GPTBigCodeForCausalLM(PagedDecoderOnlyLM):
         ("c_attn", "c_attn_v", "v"),
     )
 
+    checkpoint_prefix = "transformer."
+
     def __init__(self, config: Mapping[str, Any], *, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, tp_group: Any = None,
                  sequence_parallel: bool = False) -> None:
@@ -183,3 +185,28 @@ class GPTBigCodeForCausalLM(PagedDecoderOnlyLM):
             per_head = full.view(-1, 3, head_size, *full.shape[1:])
             for i, shard in enumerate("qkv"):
                 yield f"{module}_{shard}.{kind}", per_head[:, i].reshape(-1, *full.shape[1:])
+
+    def export_weights(self, weights: Iterable[tuple[str, torch.Tensor]]
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+        """``c_attn_q``, ``c_attn_k``, ``c_attn_v`` fused back into ``c_attn`` (``[q; k; v]`` with
+        multi_query, else interleaved per head: the inverse of :meth:`load_weights`); the rest as
+        :meth:`PagedLM.export_weights`."""
+        return super().export_weights(self._fuse_c_attn(weights))
+
+    def _fuse_c_attn(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        parts: dict[str, torch.Tensor] = {}
+        for name, tensor in weights:
+            module, _, kind = name.rpartition(".")
+            if not module.endswith(("attn.c_attn_q", "attn.c_attn_k", "attn.c_attn_v")):
+                yield name, tensor
+                continue
+            parts[module[-1]] = tensor
+            if len(parts) < 3:
+                continue
+            q, k, v = parts.pop("q"), parts.pop("k"), parts.pop("v")
+            if self.multi_query:
+                fused = torch.cat([q, k, v])
+            else:  # [num_heads, 3, head_size, ...] -> [num_heads * 3 * head_size, ...]
+                per_head = [t.view(-1, self.head_size, *t.shape[1:]) for t in (q, k, v)]
+                fused = torch.stack(per_head, dim=1).reshape(-1, *q.shape[1:])
+            yield f"{module[:-2]}.{kind}", fused

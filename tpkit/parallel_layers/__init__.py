@@ -9,7 +9,9 @@ rank's vocabulary columns), :func:`reduce_kv_replica_grads`, :func:`clip_grad_no
 :func:`seed_tensor_parallel`, :func:`tensor_parallel_dropout`, :func:`tensor_parallel_rng` and
 :func:`checkpoint`; with sequence parallelism (the layers' ``sequence_parallel=True``)
 :func:`mark_sequence_parallel` and :func:`reduce_sequence_parallel_grads`. :func:`launch` runs a function on
-the ranks of a world on this machine (gloo on the CPU, NCCL on GPUs), as ``torchrun`` would.
+the ranks of a world on this machine (gloo on the CPU, NCCL on GPUs), as ``torchrun`` would. Each layer
+describes how its parameters are split with ``layer.shard_parts(param)`` (:class:`ShardPart`,
+``.sharding``), which ``tpkit.checkpoint`` reads to save and load at any tp_size.
 """
 
 from ._init import skip_init
@@ -47,6 +49,7 @@ from .random import (
     tensor_parallel_dropout,
     tensor_parallel_rng,
 )
+from .sharding import ShardPart
 from .state import (
     TPGroup,
     destroy_tensor_parallel,
@@ -68,6 +71,7 @@ __all__ = [
     "QKVParallelLinear",
     "ReplicatedLinear",
     "RowParallelLinear",
+    "ShardPart",
     "TPGroup",
     "VocabParallelEmbedding",
     "checkpoint",

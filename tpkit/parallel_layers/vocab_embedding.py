@@ -34,6 +34,7 @@ from .mappings import (
     gather_from_tp_region,
     reduce_scatter_to_sequence_parallel_region,
 )
+from .sharding import ShardPart
 from .state import TPGroup, _resolve_tp_group
 
 
@@ -85,6 +86,12 @@ class _VocabParallelBase(_LoadableModule):
     def _grad_holders(self, param: nn.Parameter) -> int:
         """Each row of the weight (and bias) is on one rank (gradient norms count every row once)."""
         return 1
+
+    def shard_parts(self, param: nn.Parameter) -> tuple[ShardPart, ...]:
+        """Rows ``[vocab_start_index, vocab_start_index + num_real_rows)`` of the unpadded vocabulary
+        (``tpkit.parallel_layers.sharding``); the padding rows belong to no logical tensor."""
+        return (ShardPart(None, (self.num_embeddings, *param.shape[1:]), 0, self.vocab_start_index,
+                          self.num_real_rows),)
 
     def _zero_padding(self, param: torch.Tensor) -> None:
         with torch.no_grad():
