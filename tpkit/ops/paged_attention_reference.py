@@ -104,8 +104,9 @@ def _attend_chunk(
         running_sum = running_sum * correction + probs.sum(dim=-1, keepdim=True)
         acc = acc * correction + torch.einsum("shgt,sthd->shgd", probs, values)
         running_max = new_max
-    # seq_len 0: nothing attended, the result is zeros.
-    return torch.where(running_sum > 0, acc / running_sum, 0.0)
+    # seq_len 0: nothing attended, the result is zeros. Only there: elsewhere a NaN (in a used key or value,
+    # or in the query) stays NaN, which a test of the sum itself would turn into zeros.
+    return torch.where(lens[:, None, None, None] > 0, acc / running_sum, 0.0)
 
 
 def reshape_and_cache_reference(

@@ -10,8 +10,11 @@ rank's vocabulary columns), :func:`reduce_kv_replica_grads`, :func:`clip_grad_no
 :func:`checkpoint`; with sequence parallelism (the layers' ``sequence_parallel=True``)
 :func:`mark_sequence_parallel` and :func:`reduce_sequence_parallel_grads`. :func:`launch` runs a function on
 the ranks of a world on this machine (gloo on the CPU, NCCL on GPUs), as ``torchrun`` would.
+:func:`check_ranks_agree` raises on every rank where the ranks were given different values (configs,
+shapes, prompts), which would otherwise abort inside the backend or compute garbage.
 """
 
+from ._consistency import check_ranks_agree
 from ._init import skip_init
 from .cross_entropy import vocab_parallel_cross_entropy
 from .cross_qkv import QKVCrossParallelLinear
@@ -70,6 +73,7 @@ __all__ = [
     "RowParallelLinear",
     "TPGroup",
     "VocabParallelEmbedding",
+    "check_ranks_agree",
     "checkpoint",
     "clip_grad_norm_",
     "copy_to_tp_region",

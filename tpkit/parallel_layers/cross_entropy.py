@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from ._failures import collective_failed
 from .mappings import _all_reduce
 from .state import TPGroup, _resolve_tp_group
 
@@ -32,7 +33,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             logits = logits.masked_fill(padding, float("-inf"))
         row_max = logits.max(dim=-1).values
         if tp.size > 1:
-            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp.group)
+            try:
+                dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp.group)
+            except RuntimeError as error:
+                raise collective_failed("all-reduce (max)", tp.group, row_max, error) from error
         shifted = logits - row_max[:, None]
         exp = shifted.exp()
         local = labels - vocab_start_index

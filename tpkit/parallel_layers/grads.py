@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._failures import collective_failed
 from .linear import QKVParallelLinear, RowParallelLinear
 from .mappings import _all_reduce
 from .state import TPGroup, _resolve_tp_group
@@ -111,7 +112,10 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0, 
         total = torch.zeros((), device="cuda" if tp.backend == "nccl" else "cpu")
     if tp.size > 1:
         op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-        dist.all_reduce(total, op=op, group=tp.group)
+        try:
+            dist.all_reduce(total, op=op, group=tp.group)
+        except RuntimeError as error:
+            raise collective_failed("all-reduce of the gradient norm", tp.group, total, error) from error
     if not math.isinf(norm_type):
         total = total.pow(1.0 / norm_type)
     scale = (max_norm / (total + 1e-6)).clamp(max=1.0)

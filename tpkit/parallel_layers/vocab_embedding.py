@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ._checks import _check_positive
+from ._checks import _check_indices, _check_positive
 from ._init import _normal_, _shard_seed, _uniform_
 from ._loading import (
     _attach_weight_loaders,
@@ -106,8 +106,9 @@ class _VocabParallelBase(_LoadableModule):
 
 
 class VocabParallelEmbedding(_VocabParallelBase):
-    """``nn.Embedding`` with the vocabulary rows split over the ranks (ids expected in
-    ``[0, num_embeddings)``): each rank looks up the ids in its rows, zeroes the rest, one all-reduce.
+    """``nn.Embedding`` with the vocabulary rows split over the ranks: each rank looks up the ids in its rows,
+    zeroes the rest, one all-reduce. Ids must lie in ``[0, num_embeddings)``: a ValueError names the first
+    that does not (checked on the CPU; on GPUs with ``TPKIT_DEBUG=1``).
 
     With ``sequence_parallel=True`` (sequence parallelism, ``tpkit.parallel_layers.linear``) the partial
     lookups are reduce-scattered over the ids' last dim instead: ids ``[..., seq]`` -> this rank's
@@ -137,6 +138,8 @@ class VocabParallelEmbedding(_VocabParallelBase):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # [...] int -> [..., embedding_dim]
+        _check_indices(f"VocabParallelEmbedding(num_embeddings={self.num_embeddings})", "input_ids",
+                       input_ids, self.num_embeddings)
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
@@ -155,8 +158,13 @@ class ParallelLMHead(_UsesLinearOp, _VocabParallelBase):
     :meth:`compute_sharded_logits` this rank's vocabulary columns, and :meth:`cross_entropy` a training loss
     from them, without gathering.
     :meth:`tie_weights` shares the embedding's weight Parameter (models with tied embeddings); loading the
-    embedding then loads the head. The optional bias is sharded and padded like the weight's rows.
+    embedding then loads the head. ``tied`` says it was asked to (``model.to_empty()`` gives each name its
+    own tensor: tie again after it); :meth:`untie_weights` gives the head a weight of its own again (loaders
+    do, as transformers does, where a checkpoint holds both with different values). The optional bias is
+    sharded and padded like the weight's rows.
     """
+
+    tied = False
 
     def __init__(
         self,
@@ -193,6 +201,14 @@ class ParallelLMHead(_UsesLinearOp, _VocabParallelBase):
             raise ValueError("tie_weights needs the same sharding (num_embeddings, num_embeddings_padded, "
                              f"embedding_dim, tp_size, tp_rank): head {mine}, embedding {theirs}")
         self.weight = embedding.weight
+        self.tied = True
+        return self
+
+    def untie_weights(self) -> ParallelLMHead:
+        """Gives this head a weight Parameter of its own, a copy of the one it shares; returns self."""
+        self.weight = nn.Parameter(self.weight.detach().clone(), requires_grad=self.weight.requires_grad)
+        _attach_weight_loaders(self)
+        self.tied = False
         return self
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
