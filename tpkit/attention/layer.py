@@ -45,6 +45,9 @@ class Attention(nn.Module):
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"Attention: num_kv_heads: expected a divisor of num_heads = {num_heads}, "
                              f"got {num_kv_heads}")
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                                  or not math.isfinite(scale)):
+            raise ValueError(f"Attention: scale: expected a finite number (or None), got {scale!r}")
         self.num_heads = num_heads
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads

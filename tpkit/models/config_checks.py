@@ -174,11 +174,12 @@ def _problems(config: Mapping[str, Any], schema: Schema, vocab_keys: tuple[str, 
                 break
     widths = (("num_attention_heads", "hidden_size"), ("n_head", "n_embd"),
               ("encoder_attention_heads", "d_model"), ("decoder_attention_heads", "d_model"))
+    keys = {key for key, _, _ in schema}
     for heads_key, width_key in widths:
-        if heads_key in config and not config.get("head_dim") and config[width_key] % config[heads_key]:
+        if heads_key in keys and not config.get("head_dim") and config[width_key] % config[heads_key]:
             problems.append(f"{heads_key}: expected a divisor of {width_key}={config[width_key]}, got "
                             f"{config[heads_key]}")
-    kv_heads = config.get("num_key_value_heads")
+    kv_heads = config.get("num_key_value_heads") if "num_key_value_heads" in keys else None
     if kv_heads and config["num_attention_heads"] % kv_heads:
         problems.append(f"num_key_value_heads: expected a divisor of num_attention_heads="
                         f"{config['num_attention_heads']}, got {kv_heads}")
