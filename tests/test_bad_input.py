@@ -153,6 +153,14 @@ LAYER_CASES = [
          r"p must be a probability in \[0, 1\), received 1.5"),
     Case("layers", "seed-negative", lambda _: Attempt(lambda: seed_tensor_parallel(-1)), ValueError,
          r"seed must be a non-negative int, received -1"),
+    Case("layers", "column-input-width", lambda _: (lambda layer: Attempt(
+        lambda: layer(torch.randn(2, 5)), _params(layer)))(ColumnParallelLinear(4, 6, tp_group=SINGLE)),
+         ValueError, r"ColumnParallelLinear: input: expected a last dimension of 4 \(input_size\), got shape "
+                     r"\[2, 5\]"),
+    Case("layers", "lm-head-label-past-vocab", lambda _: (lambda head: Attempt(
+        lambda: head.cross_entropy(torch.randn(3, 4), torch.tensor([1, -100, 8])), _params(head)))(
+        ParallelLMHead(8, 4, tp_group=SINGLE)), ValueError,
+         r"ParallelLMHead\(num_embeddings=8\): labels\[2\]: expected values in \[0, 8\), got 8"),
     Case("layers", "tp-size-zero", lambda _: Attempt(lambda: init_tensor_parallel(0)), ValueError,
          r"tp_size must be a positive int, got 0"),
 ]
@@ -228,6 +236,15 @@ ATTENTION_CASES = [
          ValueError, r"seq_id: expected a cached sequence \(one of \[0\]\), got 7"),
     Case("attention", "cache-out-of-blocks", lambda _: _kv_cache(lambda c: c.prefill_metadata([1], [13])),
          RuntimeError, r"this prefill step needs 4 blocks, 2 of 4 are free"),
+    Case("attention", "cache-seq-id-bool", lambda _: _kv_cache(lambda c: c.prefill_metadata([True], [2])),
+         TypeError, r"PagedKVCache: seq_ids: expected ints, got True"),
+    Case("attention", "cache-too-large", lambda _: Attempt(
+        lambda: PagedKVCache(1, 2**40, 16, 8, 128, dtype=torch.float16, device="cpu")), ValueError,
+         r"num_blocks: 1 layers' key and value caches of \[num_blocks=1099511627776, .*\] torch.float16 take "
+         r"7.21e\+07 GB, more than the [\d.e+]+ GB available on cpu"),
+    Case("attention", "attention-key-lens-zero", lambda _: Attempt(lambda: Attention(2, 8, causal=False)(
+        torch.randn(2, 3, 16), torch.randn(2, 4, 16), torch.randn(2, 4, 16), key_lens=torch.tensor([4, 0]))),
+         ValueError, r"Attention: key_lens\[1\]: expected a length in \[1, 4\] \(kv_len\), got 0"),
     Case("attention", "cache-num-blocks-zero", lambda _: Attempt(
         lambda: PagedKVCache(1, 0, 4, 1, 8, dtype=torch.float16, device="cpu")), ValueError,
          r"num_blocks: expected a positive int, got 0"),

@@ -13,13 +13,13 @@ inside the backend at the first collective, or compute garbage.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from tpkit._memory import available_bytes
 from tpkit.models.activations import _ACTIVATIONS
 from tpkit.models.rope import check_rope_parameters, rope_parameters
 from tpkit.parallel_layers import TPGroup, check_ranks_agree, get_tp_group
@@ -128,7 +128,7 @@ def check_config(model: str, config: Any, schema: Schema, *, dtype: torch.dtype 
         check_rope_parameters(rope_parameters(config))
     needed = (_parameter_numel(model, config) * dtype.itemsize // tp_size + _buffer_bytes(model, config)
               + _layer_count(config) * _LAYER_OVERHEAD_BYTES)
-    available = _available_bytes(device)
+    available = available_bytes(device)
     if available is not None and needed > available:
         sizes = ", ".join(f"{key}={config[key]}" for key, required, check in schema
                           if key in config and check is not fraction and _is_int(config[key]))
@@ -219,22 +219,3 @@ def _buffer_bytes(model: str, c: Mapping[str, Any]) -> int:
         return 0
     head_size = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     return 2 * c["max_position_embeddings"] * head_size * 4
-
-
-def _available_bytes(device: torch.device) -> int | None:
-    """Free memory of ``device``: the CPU's available memory (Linux), a GPU's free memory; None elsewhere."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    if device.type != "cpu":
-        return None
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None

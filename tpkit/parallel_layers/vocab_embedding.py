@@ -233,7 +233,11 @@ class ParallelLMHead(_UsesLinearOp, _VocabParallelBase):
         """``F.cross_entropy(self.compute_logits(hidden_states), labels)`` without gathering the logits: each
         rank keeps its vocabulary columns (:func:`vocab_parallel_cross_entropy`). hidden_states ``[...,
         embedding_dim]``, labels ``[...]`` int64 (``ignore_index``: no loss); reduction "mean", "sum" or
-        "none"."""
+        "none". A label outside ``[0, num_embeddings)`` other than ``ignore_index`` is refused (checked on the
+        CPU; on GPUs with ``TPKIT_DEBUG=1``)."""
+        if isinstance(labels, torch.Tensor) and labels.dtype == torch.long:
+            _check_indices(f"ParallelLMHead(num_embeddings={self.num_embeddings})", "labels",
+                           labels.masked_fill(labels == ignore_index, 0), self.num_embeddings)
         logits = self.compute_sharded_logits(hidden_states)
         return vocab_parallel_cross_entropy(logits, labels, self.vocab_start_index, self.num_real_rows,
                                             tp_group=self.tp_group, ignore_index=ignore_index,
