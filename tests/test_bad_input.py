@@ -366,9 +366,13 @@ def _write_safetensors(path: Path, header: str, data: bytes) -> Path:
     return path
 
 
-def _header_case(tmp: Path, header: str, data: bytes = bytes(8)) -> Attempt:
-    file = _write_safetensors(tmp / "model.safetensors", header, data)
-    return Attempt(lambda: iter_weights(tmp), [file])
+def _header_row(case_id: str, header: str, match: str) -> Case:
+    """A file of 8 data bytes under ``header``, which iter_weights must refuse (and leave as it is)."""
+    def make(tmp: Path) -> Attempt:
+        file = _write_safetensors(tmp / "model.safetensors", header, bytes(8))
+        return Attempt(lambda: iter_weights(tmp), [file])
+
+    return Case("loaders", case_id, make, CheckpointError, match)
 
 
 def _tiny_module(dtype: torch.dtype = torch.float32, device: str = "cpu") -> nn.Module:
@@ -430,22 +434,18 @@ def _tied_after_to_empty() -> Attempt:
 
 
 LOADER_CASES = [
-    Case("loaders", "header-key-twice", lambda tmp: _header_case(
-        tmp, '{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"a":{"dtype":"U8","shape":[4],'
-             '"data_offsets":[4,8]}}'), CheckpointError,
-         r"model.safetensors: corrupt safetensors header: 'a' is given twice"),
-    Case("loaders", "header-true-dimension", lambda tmp: _header_case(
-        tmp, '{"a":{"dtype":"U8","shape":[true,8],"data_offsets":[0,8]}}'), CheckpointError,
-         r"tensor 'a': expected a shape of non-negative ints, received \[True, 8\]"),
-    Case("loaders", "header-gap", lambda tmp: _header_case(
-        tmp, '{"a":{"dtype":"U8","shape":[4],"data_offsets":[4,8]}}'), CheckpointError,
-         r"tensor 'a' starts at data byte 4, where the tensors before end at 0: it leaves a gap"),
-    Case("loaders", "header-bytes-after-tensors", lambda tmp: _header_case(
-        tmp, '{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}'), CheckpointError,
-         r"its tensors end at data byte 4, the file holds 8 bytes of data"),
-    Case("loaders", "header-metadata-int", lambda tmp: _header_case(
-        tmp, '{"__metadata__":{"k":1},"a":{"dtype":"U8","shape":[8],"data_offsets":[0,8]}}'), CheckpointError,
-         r"__metadata__: expected an object of strings, received \{'k': 1\}"),
+    _header_row("header-key-twice", '{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},'
+                '"a":{"dtype":"U8","shape":[4],"data_offsets":[4,8]}}',
+                r"model.safetensors: corrupt safetensors header: 'a' is given twice"),
+    _header_row("header-true-dimension", '{"a":{"dtype":"U8","shape":[true,8],"data_offsets":[0,8]}}',
+                r"tensor 'a': expected a shape of non-negative ints, received \[True, 8\]"),
+    _header_row("header-gap", '{"a":{"dtype":"U8","shape":[4],"data_offsets":[4,8]}}',
+                r"tensor 'a' starts at data byte 4, where the tensors before end at 0: it leaves a gap"),
+    _header_row("header-bytes-after-tensors", '{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}',
+                r"its tensors end at data byte 4, the file holds 8 bytes of data"),
+    _header_row("header-metadata-int",
+                '{"__metadata__":{"k":1},"a":{"dtype":"U8","shape":[8],"data_offsets":[0,8]}}',
+                r"__metadata__: expected an object of strings, received \{'k': 1\}"),
     Case("loaders", "symlink-out-of-checkpoint", _escaping_link, CheckpointError,
          r"model.safetensors resolves to .*secret.safetensors, outside the checkpoint directory"),
     Case("loaders", "load-into-meta", lambda _: _load(_tiny_module(device="meta"),

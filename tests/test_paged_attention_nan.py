@@ -15,6 +15,7 @@ import math
 
 import pytest
 import torch
+from test_paged_attention import naive_paged_attention
 
 from tpkit.ops import _extension, paged_attention
 
@@ -65,27 +66,8 @@ def _batch(num_heads: int, num_kv_heads: int, head_size: int, block_size: int, l
     return query, key_cache, value_cache, tables, torch.tensor(lens, dtype=torch.int32), nan
 
 
-def _softmax_reference(query, key_cache, value_cache, tables, lens, scale):
-    """float64 attention of each sequence over its keys, NaN wherever an input it reads is NaN."""
-    num_seqs, num_heads, head_size = query.shape
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    out = torch.zeros(num_seqs, num_heads, head_size, dtype=torch.float64)
-    for s in range(num_seqs):
-        n = int(lens[s])
-        if n == 0:
-            continue
-        positions = torch.arange(n)
-        blocks, offsets = tables[s, positions // block_size].long(), positions % block_size
-        for h in range(num_heads):
-            kv = h // (num_heads // num_kv_heads)
-            keys = key_cache[blocks, offsets, kv].double()  # [n, head_size]
-            values = value_cache[blocks, offsets, kv].double()
-            weights = torch.softmax(keys @ query[s, h].double() * scale, dim=0)
-            out[s, h] = weights @ values
-    return out
-
-
-def _check(out: torch.Tensor, expected_nan: torch.Tensor, reference: torch.Tensor, lens: torch.Tensor,
+def _check(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+           tables: torch.Tensor, lens: torch.Tensor, expected_nan: torch.Tensor, scale: float,
            atol: float) -> None:
     out = out.double().cpu()
     assert torch.equal(torch.isnan(out).any(-1), expected_nan)
@@ -93,14 +75,14 @@ def _check(out: torch.Tensor, expected_nan: torch.Tensor, reference: torch.Tenso
     empty = lens == 0
     assert torch.equal(out[empty], torch.zeros_like(out[empty]))
     finite = ~expected_nan
+    reference = naive_paged_attention(query, key_cache, value_cache, tables, lens, scale, None)
     torch.testing.assert_close(out[finite], reference[finite], atol=atol, rtol=atol)
 
 
 def test_nan_propagates_on_cpu() -> None:
-    query, key_cache, value_cache, tables, lens, nan = _batch(8, 2, 32, 8, 50, seed=0)
-    scale = 32 ** -0.5
-    out = paged_attention(query, key_cache, value_cache, tables, lens, scale=scale)
-    _check(out, nan, _softmax_reference(query, key_cache, value_cache, tables, lens, scale), lens, 1e-5)
+    batch = _batch(8, 2, 32, 8, 50, seed=0)
+    out = paged_attention(*batch[:5], scale=32 ** -0.5)
+    _check(out, *batch, 32 ** -0.5, 1e-5)
 
 
 def test_nan_scores_in_a_later_chunk_still_propagate(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -108,10 +90,8 @@ def test_nan_scores_in_a_later_chunk_still_propagate(monkeypatch: pytest.MonkeyP
     from tpkit.ops import paged_attention_reference
 
     monkeypatch.setattr(paged_attention_reference, "CHUNK_ELEMENTS", 8 * 2 * 32)  # one block a chunk
-    query, key_cache, value_cache, tables, lens, nan = _batch(4, 2, 32, 8, 60, seed=1)
-    out = paged_attention(query, key_cache, value_cache, tables, lens)
-    scale = 32 ** -0.5
-    _check(out, nan, _softmax_reference(query, key_cache, value_cache, tables, lens, scale), lens, 1e-5)
+    batch = _batch(4, 2, 32, 8, 60, seed=1)
+    _check(paged_attention(*batch[:5]), *batch, 32 ** -0.5, 1e-5)
 
 
 @pytest.mark.skipif(NO_GPU, reason="needs a CUDA GPU")
@@ -130,4 +110,4 @@ def test_nan_propagates_through_the_cuda_kernels(num_heads, num_kv_heads, head_s
                                      value_cache.to(dev, dtype), tables.to(dev), lens.to(dev), scale, None)
     assert ran, "the CUDA extension did not build"
     atol = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2e-2}[dtype]
-    _check(out, nan, _softmax_reference(query, key_cache, value_cache, tables, lens, scale), lens, atol)
+    _check(out, query, key_cache, value_cache, tables, lens, nan, scale, atol)
