@@ -35,6 +35,7 @@ from tpkit.models import (
     LlamaForCausalLM,
     from_pretrained,
 )
+from tpkit.ops import apply_rotary
 from tpkit.parallel_layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -42,8 +43,10 @@ from tpkit.parallel_layers import (
     VocabParallelEmbedding,
     clip_grad_norm_,
     init_tensor_parallel,
+    pad_vocab_size,
     seed_tensor_parallel,
     tensor_parallel_dropout,
+    vocab_parallel_cross_entropy,
 )
 
 SINGLE = TPGroup(None, 0, 1)
@@ -161,6 +164,21 @@ LAYER_CASES = [
         lambda: head.cross_entropy(torch.randn(3, 4), torch.tensor([1, -100, 8])), _params(head)))(
         ParallelLMHead(8, 4, tp_group=SINGLE)), ValueError,
          r"ParallelLMHead\(num_embeddings=8\): labels\[2\]: expected values in \[0, 8\), got 8"),
+    Case("layers", "lm-head-hidden-width", lambda _: Attempt(
+        lambda: ParallelLMHead(10, 8, tp_group=SINGLE)(torch.randn(2, 7))), ValueError,
+         r"ParallelLMHead: hidden_states: expected a last dimension of 8 \(embedding_dim\), got shape "
+         r"\[2, 7\]"),
+    Case("layers", "cross-entropy-negative-label", lambda _: Attempt(lambda: vocab_parallel_cross_entropy(
+        torch.randn(3, 8), torch.tensor([1, -5, 2]), 0, 8, tp_group=SINGLE)), ValueError,
+         r"labels\[1\]: expected values in \[0, 8\), got -5"),
+    Case("layers", "clip-max-norm-bool", lambda _: _clip(True), ValueError,
+         r"max_norm must be a positive finite number, received True"),
+    Case("layers", "pad-vocab-size-zero", lambda _: Attempt(lambda: pad_vocab_size(10, 0)), ValueError,
+         r"padding_size must be a positive int, got 0"),
+    Case("layers", "rotary-table-width", lambda _: Attempt(lambda: apply_rotary(
+        torch.randn(1, 2, 3, 8), torch.randn(1, 2, 1, 3), torch.randn(1, 2, 1, 4))), ValueError,
+         r"apply_rotary: cos: expected shape \[batch, seq, 1, 4\] \(half of x's head size 8\), got "
+         r"\[1, 2, 1, 3\]"),
     Case("layers", "tp-size-zero", lambda _: Attempt(lambda: init_tensor_parallel(0)), ValueError,
          r"tp_size must be a positive int, got 0"),
 ]

@@ -94,9 +94,10 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0, 
     rank of the group, after :func:`reduce_kv_replica_grads`. ``tp_group``: default the group of the tpkit
     layers in ``module``, else that of ``init_tensor_parallel``.
     """
-    if not (isinstance(max_norm, (int, float)) and max_norm > 0 and math.isfinite(max_norm)):
+    if isinstance(max_norm, bool) or not (isinstance(max_norm, (int, float)) and max_norm > 0
+                                          and math.isfinite(max_norm)):
         raise ValueError(f"clip_grad_norm_: max_norm must be a positive finite number, received {max_norm!r}")
-    if not (isinstance(norm_type, (int, float)) and norm_type > 0):
+    if isinstance(norm_type, bool) or not (isinstance(norm_type, (int, float)) and norm_type > 0):
         raise ValueError(f"clip_grad_norm_: norm_type must be positive (or inf), received {norm_type!r}")
     tp = _resolve_tp_group(tp_group) if tp_group is not None else _group_of(module)
     grads: list[torch.Tensor] = []

@@ -39,6 +39,7 @@ from .state import TPGroup, _resolve_tp_group
 
 def pad_vocab_size(num_embeddings: int, padding_size: int, tp_size: int = 1) -> int:
     """The smallest multiple of ``padding_size`` that holds ``num_embeddings`` and divides by tp_size."""
+    _check_positive(num_embeddings=num_embeddings, padding_size=padding_size, tp_size=tp_size)
     multiple = padding_size * tp_size // math.gcd(padding_size, tp_size)
     return -(-num_embeddings // multiple) * multiple
 
@@ -224,6 +225,10 @@ class ParallelLMHead(_UsesLinearOp, _VocabParallelBase):
         """This rank's vocabulary columns of the logits: ``[..., embedding_dim]`` -> ``[...,
         num_embeddings_per_partition]`` (columns ``[vocab_start_index, vocab_end_index)``, padding past
         ``num_real_rows``)."""
+        if not isinstance(hidden_states, torch.Tensor) or hidden_states.shape[-1:] != (self.embedding_dim,):
+            got = list(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else hidden_states
+            raise ValueError(f"ParallelLMHead: hidden_states: expected a last dimension of "
+                             f"{self.embedding_dim} (embedding_dim), got shape {got!r}")
         if self.tp_size > 1:
             hidden_states = copy_to_tp_region(hidden_states, self.tp_group)
         return self.linear_op(hidden_states, self.weight, self.bias)
