@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tpkit._memory import available_bytes
 from tpkit.attention.block_pool import ROOT_HASH, BlockPool, block_hash
 
 logger = logging.getLogger("tpkit.attention")
@@ -129,6 +130,14 @@ class PagedKVCache:
         self.dtype = dtype
         self.device = torch.device(device)
         shape = (num_blocks, block_size, num_kv_heads, head_size)
+        total = _bytes_per_block(num_layers, block_size, num_kv_heads, head_size, dtype) * num_blocks
+        available = available_bytes(self.device)
+        if available is not None and total > available:
+            raise ValueError(f"PagedKVCache: num_blocks: {num_layers} layers' key and value caches of "
+                             f"[num_blocks={num_blocks}, block_size={block_size}, num_kv_heads="
+                             f"{num_kv_heads}, head_size={head_size}] {dtype} take {total / 1e9:.3g} GB, "
+                             f"more than the {available / 1e9:.3g} GB available on {self.device}: fewer "
+                             "num_blocks, or from_memory_budget")
         self.key_caches: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=self.device)
                                                for _ in range(num_layers)]
         self.value_caches: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=self.device)
@@ -395,6 +404,9 @@ class PagedKVCache:
         seq_ids = list(seq_ids)
         if not seq_ids:
             raise ValueError("PagedKVCache: seq_ids: expected at least one sequence, got none")
+        bad = [seq_id for seq_id in seq_ids if isinstance(seq_id, bool) or not isinstance(seq_id, int)]
+        if bad:
+            raise TypeError(f"PagedKVCache: seq_ids: expected ints, got {bad[0]!r}")
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"PagedKVCache: seq_ids: expected distinct ids, got {seq_ids}")
         return seq_ids

@@ -48,6 +48,9 @@ class Attention(nn.Module):
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"Attention: num_kv_heads: expected a divisor of num_heads = {num_heads}, "
                              f"got {num_kv_heads}")
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                                  or not math.isfinite(scale)):
+            raise ValueError(f"Attention: scale: expected a finite number (or None), got {scale!r}")
         self.num_heads = num_heads
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads
@@ -184,5 +187,12 @@ def _key_padding_mask(key_lens: torch.Tensor, batch: int, kv_len: int, device: t
     if key_lens.shape != (batch,) or key_lens.dtype.is_floating_point or key_lens.dtype == torch.bool:
         raise ValueError(f"Attention: key_lens: expected an int tensor of shape [{batch}], got "
                          f"{key_lens.dtype} of shape {list(key_lens.shape)}")
+    if key_lens.device.type == "cpu" and not torch.compiler.is_compiling():
+        # Free on the CPU: no key (NaN rows) or more keys than given (silently fewer) would be wrong.
+        bad = ((key_lens < 1) | (key_lens > kv_len)).nonzero()
+        if bad.numel():
+            i = int(bad[0, 0])
+            raise ValueError(f"Attention: key_lens[{i}]: expected a length in [1, {kv_len}] (kv_len), got "
+                             f"{int(key_lens[i])}")
     positions = torch.arange(kv_len, device=device)
     return (positions[None, :] < key_lens.to(device)[:, None])[:, None, None, :]

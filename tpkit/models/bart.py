@@ -26,8 +26,9 @@ from torch import nn
 from tpkit.attention import Attention, AttentionMetadata, PagedKVCache
 from tpkit.loaders import load_weights
 from tpkit.models.activations import get_activation
+from tpkit.models.config_checks import BART, check_config
 from tpkit.models.dropout import attend
-from tpkit.models.generation import PagedLM, parse_eos_token_ids, right_pad
+from tpkit.models.generation import PagedLM, check_input_ids, parse_eos_token_ids, right_pad
 from tpkit.models.sequence_parallel import check_sequence_parallel, exit_sequence_parallel, mark_norms
 from tpkit.ops import decode_linear
 from tpkit.parallel_layers import (
@@ -202,6 +203,9 @@ class BartForConditionalGeneration(PagedLM):
                  device: torch.device | str | None = None, tp_group: Any = None,
                  sequence_parallel: bool = False) -> None:
         super().__init__()
+        check_config("BartForConditionalGeneration", config, BART, dtype=dtype, device=device,
+                     tp_group=tp_group, sequence_parallel=sequence_parallel,
+                     vocab_keys=("decoder_start_token_id", "forced_bos_token_id", "forced_eos_token_id"))
         if config.get("normalize_before", False) or config.get("add_final_layer_norm", False):
             raise ValueError("pre-norm BART variants (normalize_before / add_final_layer_norm, e.g. mBART) "
                              "are not supported")
@@ -271,6 +275,8 @@ class BartForConditionalGeneration(PagedLM):
     def forward(self, input_ids: torch.Tensor, decoder_input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids ``[batch, src_len]``, decoder_input_ids ``[batch, tgt_len]`` -> logits
         ``[batch, tgt_len, vocab]``, no cache."""
+        check_input_ids("input_ids", input_ids, self.max_positions, "max_position_embeddings")
+        check_input_ids("decoder_input_ids", decoder_input_ids, self.max_positions, "max_position_embeddings")
         positions = torch.arange(decoder_input_ids.shape[1], device=decoder_input_ids.device)
         positions = positions.expand_as(decoder_input_ids)
         hidden = self.decode(decoder_input_ids, positions, self.encode(input_ids))

@@ -16,8 +16,10 @@ Models plug in through :class:`PagedLM`'s hooks; decoder-only models get them al
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
+import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -30,6 +32,7 @@ from torch import nn
 from tpkit.attention import AttentionMetadata, PagedKVCache
 from tpkit.models.cuda_graph import DecodeGraph
 from tpkit.models.sequence_parallel import NO_GENERATION
+from tpkit.parallel_layers import check_ranks_agree
 
 Prompts = Sequence[Sequence[int]] | torch.Tensor
 # Captured decode graphs a model keeps (one per batch size, block-table width and step variant).
@@ -38,12 +41,15 @@ StepFn = Callable[[torch.Tensor, Mapping[str, AttentionMetadata], Sequence[int]]
 
 
 def parse_eos_token_ids(value: Any) -> tuple[int, ...]:
-    """``eos_token_id`` of a config.json or generation_config.json (an int, a list or null) as a tuple."""
+    """``eos_token_id`` of a config.json or generation_config.json (an int, a list of ints or null) as a
+    tuple; anything else (``"12"``, ``12.0``, ``true``) is a ValueError."""
     if value is None:
         return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
+    ids = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ids):
+        raise ValueError(f"eos_token_id: expected a token id (an int >= 0), a list of them or null, got "
+                         f"{value!r}")
+    return tuple(ids)
 
 
 def check_prompts(prompts: Prompts, vocab_size: int) -> list[list[int]]:
@@ -84,6 +90,38 @@ def _as_token_id(token: Any, prompt_index: int) -> int:
         return operator.index(token)
     except TypeError:
         raise TypeError(f"prompts[{prompt_index}] must hold integer token ids, got {token!r}") from None
+
+
+def check_input_ids(name: str, input_ids: object, max_positions: int, key: str) -> None:
+    """A full forward's ``input_ids``: a ``[batch, seq]`` tensor of at most ``max_positions`` (config
+    ``key``) tokens a sequence; the embedding checks the ids themselves."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        shape = list(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"{name}: expected a [batch, seq] tensor of token ids, got {shape}")
+    if input_ids.shape[1] > max_positions:
+        raise ValueError(f"{name}: expected at most {max_positions} tokens a sequence (the model's {key}), "
+                         f"got {input_ids.shape[1]}")
+
+
+def _one_call_at_a_time(generate: Callable) -> Callable:
+    """``generate`` of a model refuses to start while the same model is generating in another thread: the
+    two would share its KV caches and CUDA graphs."""
+    guard = threading.Lock()
+
+    @functools.wraps(generate)
+    def exclusive(self: PagedLM, *args: Any, **kwargs: Any) -> list[list[int]]:
+        with guard:
+            if getattr(self, "_generating", False):
+                raise RuntimeError("generate: this model is already generating (in another thread): it "
+                                   "runs one generate call at a time; batch the prompts into one call, or "
+                                   "give each thread a model of its own")
+            self._generating = True
+        try:
+            return generate(self, *args, **kwargs)
+        finally:
+            self._generating = False
+
+    return exclusive
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int | None,
@@ -205,6 +243,7 @@ class PagedLM(nn.Module, ABC):
     sequence_parallel = False  # built for training with the residual stream split along the sequence
     vocab_size: int
     max_positions: int
+    max_positions_key = "max_position_embeddings"  # the config key of max_positions, for messages
     eos_token_ids: tuple[int, ...]
     tp_group: Any
     # As transformers' generation config: the first new token of an encoder-decoder model, and the token
@@ -283,6 +322,7 @@ class PagedLM(nn.Module, ABC):
         captures, so no host synchronisation and nothing that depends on tensor values on the host."""
 
     # Generation --------------------------------------------------------------------------------------------
+    @_one_call_at_a_time
     @torch.inference_mode()
     def generate(self, prompts: Prompts, max_new_tokens: int, *, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
@@ -303,9 +343,14 @@ class PagedLM(nn.Module, ABC):
         this call's for later ones (in the model's caches, while they are big enough). ``max_prefill_tokens``
         prefills in steps of at most that many prompt tokens, a long prompt in chunks. Neither changes the
         tokens generated (up to floating-point rounding).
+        The model must be in eval mode (training mode would drop out), and every rank of its group must
+        pass the same prompts and settings (checked: a ValueError on every rank names what differs).
         """
-        if self.sequence_parallel:
-            raise ValueError(NO_GENERATION)
+        check_ranks_agree("generate", self.tp_group, prompts=prompts, max_new_tokens=max_new_tokens,
+                          temperature=temperature, top_k=top_k, top_p=top_p, ignore_eos=ignore_eos,
+                          cuda_graph=cuda_graph, compile=compile, prefix_caching=prefix_caching,
+                          max_prefill_tokens=max_prefill_tokens)
+        self._check_can_generate()
         token_lists = check_prompts(prompts, self.vocab_size)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
@@ -383,6 +428,19 @@ class PagedLM(nn.Module, ABC):
         if unchecked:
             outputs = torch.stack(unchecked, dim=1).tolist()
         return outputs
+
+    def _check_can_generate(self) -> None:
+        if self.sequence_parallel:
+            raise ValueError(NO_GENERATION)
+        if self.training:
+            raise ValueError("generate: the model is in training mode (model.train()), where its dropout "
+                             "would drop activations: call model.eval() first")
+        for key in ("forced_bos_token_id", "forced_eos_token_id"):
+            token = getattr(self, key)
+            if token is not None and (isinstance(token, bool) or not isinstance(token, int)
+                                      or not 0 <= token < self.vocab_size):
+                raise ValueError(f"generate: {key}: expected None or a token id in [0, {self.vocab_size}), "
+                                 f"got {token!r}")
 
     def _next_tokens(self, sample: Sampler, out: torch.Tensor, step: int, max_new_tokens: int,
                      drawn: bool = False) -> torch.Tensor:
@@ -480,6 +538,7 @@ class PagedDecoderOnlyLM(PagedLM):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids ``[batch, seq]`` -> logits ``[batch, seq, vocab]`` for every position, no cache."""
+        check_input_ids("input_ids", input_ids, self.max_positions, self.max_positions_key)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         return self.compute_logits(self.hidden_states(input_ids, positions))
 
@@ -491,7 +550,7 @@ class PagedDecoderOnlyLM(PagedLM):
         tokens = [n + max_new_tokens - 1 for n in prompt_lens]
         if max(tokens) > self.max_positions:
             raise ValueError(f"prompt length {max(prompt_lens)} + max_new_tokens {max_new_tokens} - 1 "
-                             f"exceeds the model's {self.max_positions} positions (max_position_embeddings)")
+                             f"exceeds the model's {self.max_positions} positions ({self.max_positions_key})")
         return {"self": tokens}
 
     def _prefill(self, prompts: list[list[int]], caches: Mapping[str, PagedKVCache],
@@ -548,8 +607,7 @@ class PagedDecoderOnlyLM(PagedLM):
         sequence's new tokens, at least one. Returns per sequence float logits ``[len(token_ids[i]), vocab]``,
         row ``j`` scoring the token after ``token_ids[i][j]``. The tokens stay in the cache.
         """
-        if self.sequence_parallel:
-            raise ValueError(NO_GENERATION)
+        self._check_can_generate()
         layout = (self.num_layers, self.num_kv_heads, self.head_size, self.kv_block_size, self.dtype,
                   self.device)
         got = (kv_cache.num_layers, kv_cache.num_kv_heads, kv_cache.head_size, kv_cache.block_size,
@@ -566,7 +624,7 @@ class PagedDecoderOnlyLM(PagedLM):
         for seq_id, start, ids in zip(seq_ids, starts, token_lists, strict=True):
             if start + len(ids) > self.max_positions:
                 raise ValueError(f"seq_id {seq_id}: {start} cached + {len(ids)} new tokens exceed the "
-                                 f"model's {self.max_positions} positions (max_position_embeddings)")
+                                 f"model's {self.max_positions} positions ({self.max_positions_key})")
         new = [seq_id for seq_id in seq_ids if seq_id not in kv_cache]
         for seq_id in new:
             kv_cache.add_sequence(seq_id)

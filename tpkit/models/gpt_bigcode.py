@@ -23,6 +23,7 @@ from torch import nn
 from tpkit.attention import Attention, AttentionMetadata, PagedKVCache
 from tpkit.loaders import load_weights
 from tpkit.models.activations import get_activation
+from tpkit.models.config_checks import GPT_BIGCODE, check_config
 from tpkit.models.dropout import attend
 from tpkit.models.generation import PagedDecoderOnlyLM, parse_eos_token_ids
 from tpkit.models.sequence_parallel import check_sequence_parallel, exit_sequence_parallel, mark_norms
@@ -99,6 +100,7 @@ class GPTBigCodeBlock(nn.Module):
 class GPTBigCodeForCausalLM(PagedDecoderOnlyLM):
     """GPT-BigCode from a HuggingFace config.json dict, this rank's shard of it (embeddings tied)."""
 
+    max_positions_key = "n_positions"
     # Without multi_query, c_attn is split into these three names while loading (see load_weights).
     stacked_params_mapping = (
         ("c_attn", "c_attn_q", "q"),
@@ -112,6 +114,8 @@ class GPTBigCodeForCausalLM(PagedDecoderOnlyLM):
                  device: torch.device | str | None = None, tp_group: Any = None,
                  sequence_parallel: bool = False) -> None:
         super().__init__()
+        check_config("GPTBigCodeForCausalLM", config, GPT_BIGCODE, dtype=dtype, device=device,
+                     tp_group=tp_group, sequence_parallel=sequence_parallel)
         if config.get("add_cross_attention", False):
             raise ValueError("add_cross_attention=True (GPT-BigCode as a decoder with cross-attention) is "
                              "not supported")

@@ -6,18 +6,18 @@ the CPU and on any device without a kernel of its own; a CUDA implementation tha
 built; and a fake implementation, so both run under ``torch.compile`` and in CUDA graphs.
 
 Arguments are validated inside every implementation (fake included, so ``torch.compile`` reports bad
-shapes while tracing) without reading device memory. With the environment variable ``TPKIT_DEBUG=1`` the
-real implementations also check the contents of ``block_tables``, ``seq_lens``, ``query_start_loc`` and
-``slot_mapping``, which synchronises with the device; ``query_start_loc`` on the CPU is always checked
-(reading host memory costs no sync).
+shapes while tracing) without reading device memory. The contents of ``block_tables``, ``seq_lens``,
+``query_start_loc`` and ``slot_mapping`` are checked too where that is free, on CPU tensors, and on other
+devices with the environment variable ``TPKIT_DEBUG=1`` (which synchronises with the device).
 """
 
 import math
-import os
 from collections.abc import Callable
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
+from tpkit._env import env_flag
 from tpkit.ops.paged_attention_reference import paged_attention_reference, reshape_and_cache_reference
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -25,7 +25,13 @@ _HALF_DTYPES = (torch.float16, torch.bfloat16)  # what the decode linear and ele
 
 
 def _debug_enabled() -> bool:
-    return os.environ.get("TPKIT_DEBUG", "") not in ("", "0")
+    return env_flag("TPKIT_DEBUG", False)
+
+
+def _contents_free(tensor: torch.Tensor) -> bool:
+    """A CPU tensor's contents are read without waiting for a device: always checked (a tracing fake tensor
+    has none)."""
+    return tensor.device.type == "cpu" and not isinstance(tensor, FakeTensor)
 
 
 def _check_tensor(op: str, name: str, tensor: object, *, dim: int, dtypes: tuple[torch.dtype, ...]) -> None:
@@ -95,6 +101,8 @@ def _check_paged_attention(
     _check_same(op, "block_tables", "num_seqs (dim 0, that of query)", num_seqs, block_tables.shape[0])
     _check_tensor(op, "seq_lens", seq_lens, dim=1, dtypes=(torch.int32,))
     _check_same(op, "seq_lens", seqs_shape, [num_seqs], list(seq_lens.shape))
+    if not math.isfinite(scale):
+        raise ValueError(f"{op}: scale: expected a finite float, got {scale}")
     tensors = dict(out=out, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
                    seq_lens=seq_lens)
     if query_start_loc is not None:
@@ -110,17 +118,10 @@ def _check_paged_attention(
         _check_same(op, "alibi_slopes", "shape [num_heads]", [num_heads], list(alibi_slopes.shape))
         tensors["alibi_slopes"] = alibi_slopes
     _check_devices(op, "query", query, **tensors)
-    if read_values:
+    if read_values or _contents_free(block_tables):
         _check_table_values(key_cache, block_tables, seq_lens)
-    if query_start_loc is not None and (read_values or _on_host(query_start_loc)):
+    if query_start_loc is not None and (read_values or _contents_free(query_start_loc)):
         _check_query_start_loc_values(query_start_loc, seq_lens, num_rows)
-
-
-def _on_host(tensor: torch.Tensor) -> bool:
-    """A CPU tensor with real contents (not the fake tensors of ``torch.compile``'s tracing)."""
-    from torch._subclasses.fake_tensor import is_fake
-
-    return tensor.device.type == "cpu" and not is_fake(tensor)
 
 
 def _check_table_values(key_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
@@ -130,21 +131,22 @@ def _check_table_values(key_cache: torch.Tensor, block_tables: torch.Tensor, seq
     if bad_lens.numel():
         i = int(bad_lens[0, 0])
         raise ValueError(f"paged_attention: seq_lens[{i}]: expected a length in [0, {capacity}] (the "
-                         f"capacity of block_tables), got {int(seq_lens[i])} (TPKIT_DEBUG check)")
+                         f"capacity of block_tables), got {int(seq_lens[i])}")
     block_start = torch.arange(block_tables.shape[1], device=block_tables.device) * block_size
     used = block_start[None, :] < seq_lens[:, None].long()  # [num_seqs, max_blocks_per_seq]
     bad_entries = (used & ((block_tables < 0) | (block_tables >= num_blocks))).nonzero()
     if bad_entries.numel():
         i, j = (int(x) for x in bad_entries[0])
         raise ValueError(f"paged_attention: block_tables[{i}, {j}]: expected a block index in [0, "
-                         f"{num_blocks}), got {int(block_tables[i, j])} (TPKIT_DEBUG check)")
+                         f"{num_blocks}) (a block that seq_lens[{i}] = {int(seq_lens[i])} uses), got "
+                         f"{int(block_tables[i, j])}")
 
 
 def _check_query_start_loc_values(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                                   num_tokens: int) -> None:
     starts = query_start_loc.long()
     num_seqs = starts.shape[0] - 1
-    debug = "" if _on_host(query_start_loc) else " (TPKIT_DEBUG check)"
+    debug = "" if _contents_free(query_start_loc) else " (TPKIT_DEBUG check)"
     if int(starts[0]) != 0:
         raise ValueError(f"paged_attention: query_start_loc[0]: expected 0, got {int(starts[0])}{debug}")
     query_lens = starts[1:] - starts[:-1]  # [num_seqs]
@@ -187,7 +189,7 @@ def _check_reshape_and_cache(
     _check_same(op, "slot_mapping", "shape [num_tokens]", [key.shape[0]], list(slot_mapping.shape))
     _check_devices(op, "key", key, value=value, key_cache=key_cache, value_cache=value_cache,
                    slot_mapping=slot_mapping)
-    if read_values:
+    if read_values or _contents_free(slot_mapping):
         _check_slot_values(key_cache, slot_mapping)
 
 
@@ -197,8 +199,15 @@ def _check_slot_values(key_cache: torch.Tensor, slot_mapping: torch.Tensor) -> N
     if bad.numel():
         i = int(bad[0, 0])
         raise ValueError(f"reshape_and_cache: slot_mapping[{i}]: expected a slot below num_blocks * "
-                         f"block_size = {num_slots} (or negative to skip), got {int(slot_mapping[i])} "
-                         f"(TPKIT_DEBUG check)")
+                         f"block_size = {num_slots} (or negative to skip), got {int(slot_mapping[i])}")
+    # Two tokens written to one slot would leave whichever the device writes last.
+    slots, order = slot_mapping.sort(stable=True)
+    repeated = ((slots[1:] == slots[:-1]) & (slots[1:] >= 0)).nonzero()
+    if repeated.numel():
+        k = int(repeated[0, 0])
+        first, second = sorted((int(order[k]), int(order[k + 1])))
+        raise ValueError(f"reshape_and_cache: slot_mapping[{second}]: expected distinct slots (or negative "
+                         f"to skip), got {int(slots[k])}, the slot of slot_mapping[{first}] too")
 
 
 # The ops' library. Defined through ``torch.library.Library`` rather than ``torch.library.custom_op``:
@@ -299,8 +308,10 @@ def paged_attention(
             Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)`` (MHA, GQA, MQA).
         block_tables: int32 ``[num_seqs, max_blocks_per_seq]``, logical block -> physical block. Entries
             past a sequence's last used block are never read.
-        seq_lens: int32 ``[num_seqs]``, tokens of each sequence in the cache; 0 gives zeros.
-        scale: score scale, default ``1 / sqrt(head_size)``.
+        seq_lens: int32 ``[num_seqs]``, tokens of each sequence in the cache, at most the table's
+            capacity; 0 gives zeros. NaN in a used key, value or the query gives NaN. Checked, with
+            ``block_tables``, on CPU tensors (and with ``TPKIT_DEBUG=1`` elsewhere).
+        scale: score scale, finite, default ``1 / sqrt(head_size)``.
         alibi_slopes: optional float32 ``[num_heads]``: adds ``slope * (key_pos - query_pos)``, both cache
             positions (a decode query stands at ``seq_len - 1``, query ``j`` of sequence ``i`` at
             ``seq_lens[i] - q_len_i + j``).
@@ -343,8 +354,9 @@ def reshape_and_cache(
     Args:
         key, value: ``[num_tokens, num_kv_heads, head_size]``, the caches' dtype.
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``, written in place.
-        slot_mapping: int64 ``[num_tokens]``, ``block * block_size + offset``; a negative slot skips the
-            token (padding). A slot past the cache is skipped too rather than written out of bounds
-            (``TPKIT_DEBUG=1`` reports it).
+        slot_mapping: int64 ``[num_tokens]``, ``block * block_size + offset``, distinct; a negative slot
+            skips the token (padding). On CPU tensors a slot past the cache or a repeated one is an error;
+            on a GPU the kernel skips a slot past the cache rather than write out of bounds, and
+            ``TPKIT_DEBUG=1`` reports both.
     """
     torch.ops.tpkit.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)

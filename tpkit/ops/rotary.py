@@ -64,6 +64,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     contiguous tensor; cos and sin may also broadcast over batch or seq (then, and with a gradient, this is
     the PyTorch expression rather than the kernel).
     """
+    half = x.shape[-1] // 2
+    for name, table in (("cos", cos), ("sin", sin)):
+        if table.dim() != 4 or table.shape[2:] != (1, half):
+            raise ValueError(f"apply_rotary: {name}: expected shape [batch, seq, 1, {half}] (half of x's "
+                             f"head size {x.shape[-1]}), got {list(table.shape)}")
     if not _kernel_may_take(x, cos, sin):
         return _rotated(x, cos, sin)
     batch, seq, heads, head_size = x.shape

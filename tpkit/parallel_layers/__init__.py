@@ -12,8 +12,11 @@ rank's vocabulary columns), :func:`reduce_kv_replica_grads`, :func:`clip_grad_no
 the ranks of a world on this machine (gloo on the CPU, NCCL on GPUs), as ``torchrun`` would. Each layer
 describes how its parameters are split with ``layer.shard_parts(param)`` (:class:`ShardPart`,
 ``.sharding``), which ``tpkit.checkpoint`` reads to save and load at any tp_size.
+:func:`check_ranks_agree` raises on every rank where the ranks were given different values (configs,
+shapes, prompts), which would otherwise abort inside the backend or compute garbage.
 """
 
+from ._consistency import check_ranks_agree
 from ._init import skip_init
 from .cross_entropy import vocab_parallel_cross_entropy
 from .cross_qkv import QKVCrossParallelLinear
@@ -74,6 +77,7 @@ __all__ = [
     "ShardPart",
     "TPGroup",
     "VocabParallelEmbedding",
+    "check_ranks_agree",
     "checkpoint",
     "clip_grad_norm_",
     "copy_to_tp_region",

@@ -12,13 +12,14 @@ Into a GPU, a large tensor from host memory goes through page-locked buffers in 
 from __future__ import annotations
 
 import math
-import os
 import threading
 import warnings
 from collections.abc import Sequence
 
 import torch
 from torch import nn
+
+from tpkit._env import env_flag
 
 from .sharding import _refuse_plain_dcp
 
@@ -159,7 +160,7 @@ def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 def _staging_enabled() -> bool:
     """False where the environment sets ``TPKIT_LOAD_PINNED`` to 0 (or false, no, off)."""
-    return os.environ.get("TPKIT_LOAD_PINNED", "").strip().lower() not in ("0", "false", "no", "off")
+    return env_flag("TPKIT_LOAD_PINNED", True)
 
 
 def _worth_staging(dst: torch.Tensor, src: torch.Tensor) -> bool:

@@ -116,6 +116,14 @@ class _LinearBase(_UsesLinearOp, _LoadableModule):
     def _with_bias(self, output: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         return (output, self.bias) if self.skip_bias_add else output
 
+    def _check_input(self, input_: torch.Tensor, width: int, why: str = "input_size") -> None:
+        """The input's features, ``[..., width]``, named with ``why`` (F.linear's own error names neither
+        the layer nor which size it expected)."""
+        if not isinstance(input_, torch.Tensor) or input_.dim() == 0 or input_.shape[-1] != width:
+            got = list(input_.shape) if isinstance(input_, torch.Tensor) else type(input_).__name__
+            raise ValueError(f"{type(self).__name__}: input: expected a last dimension of {width} ({why}), "
+                             f"got shape {got}")
+
     def extra_repr(self) -> str:
         return (f"input_size={self.input_size}, output_size={self.output_size}, "
                 f"bias={self.bias is not None}, tp_size={self.tp_size}, weight={tuple(self.weight.shape)}")
@@ -154,6 +162,7 @@ class ReplicatedLinear(_LinearBase):
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         # [..., input_size] -> [..., output_size]
+        self._check_input(input_, self.input_size)
         output = self.linear_op(input_, self.weight, None if self.skip_bias_add else self.bias)
         return self._with_bias(output)
 
@@ -224,6 +233,7 @@ class _ColumnParallelBase(_LinearBase):
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         # [..., input_size] -> [..., output_size_per_partition] (or [..., output_size] with gather_output)
+        self._check_input(input_, self.input_size)
         input_ = self._input_region(input_)
         output = self.linear_op(input_, self.weight, None if self.skip_bias_add else self.bias)
         if not (self.gather_output and self.tp_size > 1):
@@ -540,6 +550,11 @@ class RowParallelLinear(_LinearBase):
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         # [..., input_size_per_partition] (or [..., input_size]) -> [..., output_size]
+        if self.input_is_parallel and self.tp_size > 1:
+            self._check_input(input_, self.input_size_per_partition,
+                              f"this rank's share of input_size {self.input_size}: input_is_parallel=True")
+        else:
+            self._check_input(input_, self.input_size)
         add_bias = self.bias is not None and not self.skip_bias_add
         if self.tp_size == 1:
             return self._with_bias(self.linear_op(input_, self.weight, self.bias if add_bias else None))

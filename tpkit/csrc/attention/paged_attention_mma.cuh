@@ -158,8 +158,8 @@ __device__ __forceinline__ void prefetch_prologue(const T* q_rows, int64_t q_str
 // memory: one an item rather than two took C3 from 10.2 to 9.5 us on the H200, one for C6's three items
 // a thread rather than three took C6 from 37.8 to 37.2.
 template <int HEAD, typename P, int PARTS, typename RowOut, typename OutRow>
-__device__ __forceinline__ void merge_items(int num_parts, int rows_valid, const float* row_lse, RowOut row_out,
-                                            OutRow out_row) {
+__device__ __forceinline__ void merge_items(int num_parts, bool attended, int rows_valid, const float* row_lse,
+                                            RowOut row_out, OutRow out_row) {
   constexpr int kPerLoad = 16 / static_cast<int>(sizeof(P));  // columns an item
   constexpr int kVecs = HEAD / kPerLoad;
   constexpr int ITEMS = kMaxClusterSize / PARTS;
@@ -206,7 +206,8 @@ __device__ __forceinline__ void merge_items(int num_parts, int rows_valid, const
           sum += w;
         }
       }
-      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      // Zeros only where the sequence has no key: a NaN sum stays NaN.
+      const float inv = attended ? 1.f / sum : 0.f;
       const int r = i / kVecs;
       auto* out = out_row(r) + (i - r * kVecs) * kPerLoad;
 #pragma unroll
@@ -222,18 +223,19 @@ __device__ __forceinline__ void merge_items(int num_parts, int rows_valid, const
 // log-sum-exp, row_lse[r], to its own shared memory: block `rank` finishes every num_partitions-th (row,
 // 16 bytes of columns) item of the first rows_valid rows, reading every partition's values from that
 // partition's shared memory, and stores it to out_row(r). No float32 partials in global memory, no second
-// kernel. Every thread of every block of the cluster must call it.
+// kernel. Every thread of every block of the cluster must call it. attended: the sequence has keys
+// (seq_len > 0); without, the output is zeros.
 template <int HEAD, typename P, typename RowOut, typename OutRow>
-__device__ __forceinline__ void merge_in_cluster(int num_parts, int rows_valid, const float* row_lse,
+__device__ __forceinline__ void merge_in_cluster(int num_parts, bool attended, int rows_valid, const float* row_lse,
                                                  RowOut row_out, OutRow out_row) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // clusters: Hopper and newer (the plan never asks before)
   cluster_sync_shared();  // every partition's row_out and row_lse are written
   if (num_parts <= 2) {
-    merge_items<HEAD, P, 2>(num_parts, rows_valid, row_lse, row_out, out_row);
+    merge_items<HEAD, P, 2>(num_parts, attended, rows_valid, row_lse, row_out, out_row);
   } else if (num_parts <= 4) {
-    merge_items<HEAD, P, 4>(num_parts, rows_valid, row_lse, row_out, out_row);
+    merge_items<HEAD, P, 4>(num_parts, attended, rows_valid, row_lse, row_out, out_row);
   } else {
-    merge_items<HEAD, P, kMaxClusterSize>(num_parts, rows_valid, row_lse, row_out, out_row);
+    merge_items<HEAD, P, kMaxClusterSize>(num_parts, attended, rows_valid, row_lse, row_out, out_row);
   }
   cluster_sync_exit();  // no block exits while another still reads its shared memory
 #endif
@@ -583,7 +585,8 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
       acc.w += x.w;
     }
     const float sum = row_l[r];
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    // Zeros only where the partition holds no key (seq_len 0): a NaN sum stays NaN.
+    const float inv = end > start ? 1.f / sum : 0.f;
     acc.x *= inv;
     acc.y *= inv;
     acc.z *= inv;
@@ -594,14 +597,14 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
     } else if (cluster) {
       // Kept for the cluster's merge: each (r, d) is this thread's alone, so it overwrites what it read.
       *reinterpret_cast<float4*>(src) = acc;
-      if (d == 0) row_lse[r] = sum > 0.f ? row_m[r] + log2f(sum) : -INFINITY;
+      if (d == 0) row_lse[r] = end > start ? row_m[r] + log2f(sum) : -INFINITY;
     } else {
       const int64_t row_index = (static_cast<int64_t>(seq) * p.num_heads + head) * p.num_partitions + partition;
       *reinterpret_cast<float4*>(p.tmp_out + row_index * HEAD + d) = acc;
-      if (d == 0) p.tmp_lse[row_index] = sum > 0.f ? row_m[r] + log2f(sum) : -INFINITY;
+      if (d == 0) p.tmp_lse[row_index] = end > start ? row_m[r] + log2f(sum) : -INFINITY;
     }
   }
-  if (cluster) merge_in_cluster<HEAD, float>(p.num_partitions, rows_valid, row_lse, row_out, out_row);
+  if (cluster) merge_in_cluster<HEAD, float>(p.num_partitions, seq_len > 0, rows_valid, row_lse, row_out, out_row);
 }
 
 }  // namespace tpkit
