@@ -276,6 +276,9 @@ class BartForConditionalGeneration(PagedLM):
         ``[batch, tgt_len, vocab]``, no cache."""
         check_input_ids("input_ids", input_ids, self.max_positions, "max_position_embeddings")
         check_input_ids("decoder_input_ids", decoder_input_ids, self.max_positions, "max_position_embeddings")
+        if decoder_input_ids.shape[0] != input_ids.shape[0]:
+            raise ValueError(f"decoder_input_ids: expected the batch of input_ids, {input_ids.shape[0]}, got "
+                             f"{decoder_input_ids.shape[0]}")
         positions = torch.arange(decoder_input_ids.shape[1], device=decoder_input_ids.device)
         positions = positions.expand_as(decoder_input_ids)
         hidden = self.decode(decoder_input_ids, positions, self.encode(input_ids))
@@ -297,6 +300,10 @@ class BartForConditionalGeneration(PagedLM):
         return {"self": [max_new_tokens] * len(prompt_lens), "cross": list(prompt_lens)}
 
     def _prefill(self, prompts: list[list[int]], caches: Mapping[str, PagedKVCache]) -> torch.Tensor:
+        start = self.decoder_start_token_id
+        if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < self.vocab_size:
+            raise ValueError(f"generate: decoder_start_token_id: expected a token id in "
+                             f"[0, {self.vocab_size}), got {start!r}")
         batch, device = len(prompts), self.device
         prompt_lens = [len(ids) for ids in prompts]
         encoder_states = self.encode(right_pad(prompts, device), torch.tensor(prompt_lens, device=device))
