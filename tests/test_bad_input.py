@@ -365,6 +365,21 @@ MODEL_CASES = [
     Case("models", "generate-forced-bos-past-vocab", lambda _: _generate(
         _with(BartForConditionalGeneration(BART, tp_group=SINGLE).eval(), forced_bos_token_id=64), [[3]], 2),
          ValueError, r"generate: forced_bos_token_id: expected None or a token id in \[0, 64\), got 64"),
+    Case("models", "generate-on-meta", lambda _: Attempt(lambda: LlamaForCausalLM(
+        LLAMA, device="meta", tp_group=SINGLE).eval().generate([[1]], 2)), ValueError,
+         r"generate: the model is on the meta device, which holds no values: model.to_empty"),
+    Case("models", "generate-eos-attribute-string", lambda _: _generate(_with(_llama(), eos_token_ids=("2",)),
+                                                                         [[1]], 2), ValueError,
+         r"eos_token_id: expected a token id \(an int >= 0\), a list of them or null, got \['2'\]"),
+    Case("models", "bart-decoder-start-attribute", lambda _: _generate(_with(
+        BartForConditionalGeneration(BART, tp_group=SINGLE).eval(), decoder_start_token_id=99), [[3]], 2),
+         ValueError, r"generate: decoder_start_token_id: expected a token id in \[0, 64\), got 99"),
+    Case("models", "bart-batch-mismatch", lambda _: _forward(BartForConditionalGeneration(
+        BART, tp_group=SINGLE), torch.tensor([[3, 4]]), torch.tensor([[2], [2]])),
+         ValueError, r"decoder_input_ids: expected the batch of input_ids, 1, got 2"),
+    Case("models", "dtype-int8", lambda _: Attempt(lambda: LlamaForCausalLM(LLAMA, dtype=torch.int8,
+                                                                             tp_group=SINGLE)),
+         TypeError, r"LlamaForCausalLM: dtype: expected a floating-point torch.dtype, got torch.int8"),
     Case("models", "generate-temperature-nan",
          lambda _: _generate(_llama(), [[1]], 2, temperature=float("nan")), ValueError,
          r"temperature must be a finite number >= 0 \(0 = greedy\), got nan"),

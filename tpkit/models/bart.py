@@ -277,6 +277,9 @@ class BartForConditionalGeneration(PagedLM):
         ``[batch, tgt_len, vocab]``, no cache."""
         check_input_ids("input_ids", input_ids, self.max_positions, "max_position_embeddings")
         check_input_ids("decoder_input_ids", decoder_input_ids, self.max_positions, "max_position_embeddings")
+        if decoder_input_ids.shape[0] != input_ids.shape[0]:
+            raise ValueError(f"decoder_input_ids: expected the batch of input_ids, {input_ids.shape[0]}, got "
+                             f"{decoder_input_ids.shape[0]}")
         positions = torch.arange(decoder_input_ids.shape[1], device=decoder_input_ids.device)
         positions = positions.expand_as(decoder_input_ids)
         hidden = self.decode(decoder_input_ids, positions, self.encode(input_ids))
@@ -299,6 +302,10 @@ class BartForConditionalGeneration(PagedLM):
 
     def _prefill(self, prompts: list[list[int]], caches: Mapping[str, PagedKVCache],
                  prefix_caching: bool = False, max_prefill_tokens: int | None = None) -> torch.Tensor:
+        start = self.decoder_start_token_id
+        if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < self.vocab_size:
+            raise ValueError(f"generate: decoder_start_token_id: expected a token id in "
+                             f"[0, {self.vocab_size}), got {start!r}")
         # The decoder's prompt is its start token alone, shorter than a block: the prefix cache has nothing
         # to share. A step runs at most max_prefill_tokens of them, each with its sequence's encoder pass.
         group = max_prefill_tokens or len(prompts)

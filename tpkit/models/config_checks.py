@@ -117,6 +117,8 @@ def check_config(model: str, config: Any, schema: Schema, *, dtype: torch.dtype 
         raise TypeError(f"{model}: config: expected a mapping (a config.json's dict), got "
                         f"{type(config).__name__}")
     dtype = dtype or torch.get_default_dtype()
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"{model}: dtype: expected a floating-point torch.dtype, got {dtype!r}")
     device = torch.device(device) if device is not None else torch.get_default_device()
     check_ranks_agree(model, tp_group, config=dict(config), dtype=str(dtype), device_type=device.type,
                       sequence_parallel=sequence_parallel)

@@ -435,6 +435,10 @@ class PagedLM(nn.Module, ABC):
         if self.training:
             raise ValueError("generate: the model is in training mode (model.train()), where its dropout "
                              "would drop activations: call model.eval() first")
+        if self.device.type == "meta":
+            raise ValueError("generate: the model is on the meta device, which holds no values: "
+                             "model.to_empty(device=...) and load its weights first")
+        parse_eos_token_ids(list(self.eos_token_ids))
         for key in ("forced_bos_token_id", "forced_eos_token_id"):
             token = getattr(self, key)
             if token is not None and (isinstance(token, bool) or not isinstance(token, int)
