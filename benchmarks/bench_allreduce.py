@@ -26,8 +26,10 @@ import torch.distributed._symmetric_memory as symm_mem
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_paged_attention import _graph_time_us  # noqa: E402
-from bench_tp_scaling import _NCCL_ENV  # noqa: E402
 
+# Without NVLink multicast (NVLS): the kernels timed here are the ones that work without it.
+_NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                 "NVSHMEM_DISABLE_NVLS": "1"}
 ALL_REDUCES_PER_STEP = 65  # Llama-3-8B: 2 a layer x 32 layers, + the vocab-parallel embedding's
 
 
@@ -82,7 +84,7 @@ def main() -> None:
     args = parser.parse_args()
     if "LOCAL_RANK" not in os.environ or not torch.cuda.is_available():
         parser.error("run under torchrun with a GPU a rank: torchrun --nproc-per-node 2 ...")
-    os.environ.update(_NCCL_ENV)
+    os.environ.update(_NO_MULTICAST)
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)

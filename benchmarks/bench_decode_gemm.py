@@ -14,7 +14,7 @@ brought into L2 ahead of it. The table gives per projection the weight's MB, the
 bandwidth measured in the same run, each time in us, and the DRAM time's rate in GB/s and as % of the
 copy bandwidth.
 
-The tpkit column is ``tpkit.attention.decode_linear`` (the decode kernel with its planned split of
+The tpkit column is ``tpkit.ops.decode_linear`` (the decode kernel with its planned split of
 in_features over a block's warps; the models' layers use it), timed the same way, with its ratio to
 cuBLASLt; ``--splits`` also times the kernel at each split given (``tpkit_splits_us`` in the JSON rows).
 For gate_up_proj it also times SwiGLU (``silu(gate) * up``, what LlamaMLP computes next): in the kernel's

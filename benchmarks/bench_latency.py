@@ -1,4 +1,4 @@
-"""End-to-end generation latency of tpkit's models, in the spirit of the seeds' ``benchmark_latency.py``.
+"""End-to-end generation latency of tpkit's models, in the spirit of vLLM's ``benchmark_latency.py``.
 
     PYTHONPATH=. python benchmarks/bench_latency.py            # one GPU: the shapes below, bf16 (minutes)
     PYTHONPATH=. python benchmarks/bench_latency.py --small    # tiny shapes on the CPU, under a minute
@@ -10,10 +10,11 @@ Three parts, each reported even when another fails:
    after a warm-up: tpkit eager, tpkit with the decode step replayed from a CUDA graph (and with the step
    also through ``torch.compile``), transformers ``generate`` with its default dynamic cache and with
    ``cache_implementation="static"``, against the floor: every decode step reads all weights once at the
-   device copy bandwidth (measured here; 0.48 s in the anchor, ../shared/anchors/e2e_latency_h200_*.md).
+   device copy bandwidth (measured here). The peers' figures on an H200 (transformers, the floor, and how
+   they were measured) are in ``benchmarks/baselines/e2e_latency_h200.json``; the table prints them too.
 2. KV blocks that fit in the GPU memory left by a StarCoder-shaped GPT-BigCode (48 heads, multi-query, 40
    layers, hidden 6144; built on the meta device): tpkit's cache holds the one KV head, against a cache
-   that stores a KV head per query head (the seeds' MQA win: 49 vs 20280 blocks in their setup).
+   that stores a KV head per query head.
 3. A BART-large-shaped model, random weights, batch 12, encoder inputs of ~66 tokens, 32 new tokens: time
    per output token with ``QKVCrossParallelLinear`` against the naive cross projection (a
    ``QKVParallelLinear`` run on the decoder states and again on the encoder states, two thirds thrown away).
@@ -42,8 +43,7 @@ from tpkit.attention import PagedKVCache
 from tpkit.models import BartForConditionalGeneration, GPTBigCodeForCausalLM, LlamaForCausalLM
 from tpkit.parallel_layers import QKVCrossParallelLinear, QKVParallelLinear
 
-ANCHOR_FLOOR_S = 0.48  # ../shared/anchors/e2e_latency_h200_2026-11-29.md
-ANCHOR_TRANSFORMERS_S = {"dynamic": 3.55, "static": 1.06}
+BASELINE = json.loads((Path(__file__).parent / "baselines" / "e2e_latency_h200.json").read_text())
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
     "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -68,7 +68,7 @@ SMALL_LLAMA = LLAMA3_8B | {"vocab_size": 1024, "hidden_size": 256, "intermediate
 SMALL_BART = BART_LARGE | {"vocab_size": 1000, "d_model": 128, "encoder_layers": 2, "decoder_layers": 2,
                            "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 256,
                            "decoder_ffn_dim": 256}
-GPU_MEMORY_UTILIZATION = 0.9  # as the seeds' vLLM default
+GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
 ACTIVATION_RESERVE_BYTES = 2 * 2**30  # activations and workspaces of a forward, kept out of the KV budget
 
 
@@ -106,9 +106,9 @@ def timed_runs(setup: Setup, fn: Callable[[], Any]) -> tuple[list[float], Any]:
 
 
 def copy_bandwidth(setup: Setup) -> float:
-    """Bytes per second of a large clone (read + written), the floor's yardstick. On a GPU the anchors' own
-    measure, bench_paged_attention's (a 2 GiB clone timed by CUDA events): timed from the host, a 1 GiB clone
-    read 6% low (3995 against 4255 GB/s on one H200, 2026-11-30), which put the floor 6% too high."""
+    """Bytes per second of a large clone (read + written), the floor's yardstick. On a GPU the baseline's
+    measure, bench_paged_attention's (a 2 GiB clone timed by CUDA events): a clone timed from the host reads
+    low, which would put the floor too high."""
     if setup.device.type == "cuda":
         return _copy_bandwidth_gbps() * 1e9
     x = torch.empty(64 * 2**20 // 2, dtype=torch.bfloat16, device=setup.device)
@@ -326,7 +326,7 @@ def print_report(setup: Setup, results: dict) -> None:
         floor = latency["floor_s"]
         print(f"floor: {latency['weight_bytes'] / 1e9:.2f} GB of weights per step at "
               f"{latency['copy_GBps']:.0f} GB/s copy bandwidth x {setup.output_len} steps = {floor:.3f} s "
-              f"(anchor on the H200: {ANCHOR_FLOOR_S} s)")
+              f"(baseline on an H200: {BASELINE['floor_s']} s)")
         print(f"| {'implementation':<38} | {'avg s':>8} | {'tok/s':>8} | {'/ floor':>7} | "
               f"{'HF static / x':>13} | {'HF dynamic / x':>14} | same tokens as eager |")
         print(f"|{'-' * 40}|{'-' * 10}|{'-' * 10}|{'-' * 9}|{'-' * 15}|{'-' * 16}|{'-' * 22}|")
@@ -342,9 +342,10 @@ def print_report(setup: Setup, results: dict) -> None:
             print(f"| {row['impl']:<38} | {avg:>8.3f} | {tokens_per_s:>8.0f} | {avg / floor:>6.2f}x | "
                   f"{vs_static:>13} | {vs_dynamic:>14} | {same:>20} |")
         if not setup.small:
-            print(f"| {'anchor: floor':<38} | {ANCHOR_FLOOR_S:>8.3f} |")
-            for kind, seconds in ANCHOR_TRANSFORMERS_S.items():
-                print(f"| {'anchor: transformers, ' + kind:<38} | {seconds:>8.3f} |")
+            measured = BASELINE["measured"]
+            peers = ", ".join(f"{row['implementation']} {row['avg_s']:.2f} s" for row in BASELINE["rows"])
+            print(f"baseline ({measured['gpu']}, torch {measured['torch']}, {measured['date']}): {peers}; "
+                  f"floor {BASELINE['floor_s']:.2f} s; goal: {BASELINE['goal']}")
 
     kv = results["kv_blocks"]
     print("\n# KV blocks in the memory left by a StarCoder-shaped GPT-BigCode (48 heads, MQA, 40 layers, "
@@ -358,7 +359,6 @@ def print_report(setup: Setup, results: dict) -> None:
               "tokens")
         for label, blocks in kv["blocks"].items():
             print(f"| {label:<36} | {blocks:>9,} blocks | {blocks * kv['block_size']:>12,} tokens |")
-        print("(the seeds' setup: 20280 MQA blocks vs 49)")
 
     bart = results["bart"]
     print(f"\n# BART-large cross-attention projection: batch {setup.bart_batch}, encoder inputs "

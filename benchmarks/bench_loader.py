@@ -22,7 +22,7 @@ from a cold page cache the call still reads much of the files into the page cach
 in. ``load_file`` alone would do the same, which is why it is followed by ``load_state_dict`` into a model
 whose parameters are resident. The goals are judged on resident times.
 
-Goals (issue 4): tpkit's throughput at tp_size 1 at least ``load_file``'s (both into a built model); tpkit's
+Goals: tpkit's throughput at tp_size 1 at least ``load_file``'s (both into a built model); tpkit's
 ``from_pretrained`` at least 2x faster than transformers'; each rank's peak memory under 1.2x the bytes of
 its shard. Peak RSS is the highest RSS from the start of loading to the end of the pass, less the RSS before
 the model existed (so it holds the model and what loading adds; file pages mapped into the process count).
@@ -470,9 +470,6 @@ def main() -> None:
     if args.device == "cuda" and max(tp_sizes) > torch.cuda.device_count():
         parser.error(f"--tp-sizes: tp_size {max(tp_sizes)} needs as many GPUs, found "
                      f"{torch.cuda.device_count()}")
-    # NVLink multicast stays off in every rank (see the device tool's README for why).
-    for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
-        os.environ.setdefault(name, "0" if name == "NCCL_NVLS_ENABLE" else "1")
     os.environ.setdefault("TPKIT_DISABLE_PROGRESS", "1")
     json_path = Path(args.json) if args.json else (None if args.small else
                                                    RESULTS / f"loader_{args.device}.json")

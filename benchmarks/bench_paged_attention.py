@@ -1,5 +1,7 @@
 """Decode attention on one GPU: tpkit's paged kernel against torch SDPA on contiguous KV, a naive
-gather-then-SDPA, FlexAttention over the paged layout, and (from the anchors file) vLLM's kernels. tpkit
+gather-then-SDPA, FlexAttention over the paged layout, FlashInfer's paged decode kernels (its decode
+wrapper on CUDA cores and on tensor cores, and XQA; see ``flashinfer_decode.py``) where FlashInfer is
+installed, and vLLM's kernels (measured figures, ``baselines/paged_attention_decode_h200.json``). tpkit
 also runs on the same pages stored head-major (``tpkit-head-major``), to show what the cache layout costs,
 and on SDPA's contiguous K/V (``tpkit-contiguous``), to show what the paging itself costs.
 
@@ -11,8 +13,11 @@ a float32 reference on the same data (relative error ||out - ref|| / ||ref||), t
 CUDA-graph replays, each replay running it on every one of several input sets, so that at least
 ``--min-kv-mb`` of KV is touched between two reads of the same bytes (L2 is 60 MB), round after round for
 about ``--replay-ms`` (as ``triton.testing.do_bench_cudagraph``, the anchors' timer, repeats the call
-within one graph). The device copy bandwidth (a 2 GiB clone, bytes read + written) is measured in the
-same run, after the configurations. Prints a table and writes the rows as JSON.
+within one graph). An implementation whose error passes ``MAX_REL_ERR`` is reported, not timed. The device
+copy bandwidth (a 2 GiB clone, bytes read + written) is measured in the same run, after the configurations.
+Prints a table of every implementation, then the peers' table (a column says "not installed" where
+FlashInfer does not import and "fails" where a kernel refused the shape or failed to build), and writes the
+rows as JSON (a row with ``t_us`` null and a ``status`` for each peer that did not run).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from flashinfer_decode import IMPLS as FLASHINFER_IMPLS
+from flashinfer_decode import FlashInferDecode, import_error
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tpkit.ops import _extension, paged_attention
@@ -41,9 +48,12 @@ SDPA_BACKENDS = {
     "sdpa-flash": SDPBackend.FLASH_ATTENTION,
     "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION,
 }
-# vLLM paged_attention v1/v2 (best of the two) on the same H200, from
-# ../shared/anchors/paged_attention_h200_2026-11-29.md (vLLM is not installed on the GPU machine).
-VLLM_ANCHOR_US = {"C1": 854.8, "C2": 48.2, "C3": 53.0, "C4": 245.0, "C5": 448.8, "C6": 1184.2}
+# Measured figures of kernels the GPU machine does not have (vLLM's), with how they were measured.
+BASELINES = Path(__file__).resolve().parent / "baselines" / "paged_attention_decode_h200.json"
+MAX_REL_ERR = 2e-2  # against the float32 reference, as the baselines were checked
+# The peers' table: its columns, by implementation.
+PEER_COLUMNS = {"sdpa-cudnn": "cuDNN", "sdpa-flash": "FLASH", "tpkit": "tpkit", "fi-decode": "FI decode",
+                "fi-decode-tc": "FI decode TC", "fi-xqa": "FI XQA"}
 
 
 @dataclass(frozen=True)
@@ -71,6 +81,10 @@ CONFIGS = (
     Config("C4", "bf16", 2, 32768, 32, 8),
     Config("C5", "bf16", 256, 512, 32, 8),
     Config("C6", "bf16", 64, 4096, 48, 1),
+    Config("C7", "bf16", 128, 1024, 28, 4),  # a group of 7
+    Config("C8", "bf16", 512, 256, 8, 1),  # many short sequences, MQA
+    Config("C9", "fp16", 64, 4096, 32, 8),  # C1 in float16
+    Config("C10", "bf16", 1, 131072, 8, 1),  # one long sequence, MQA
 )
 
 
@@ -295,7 +309,10 @@ def _tpkit_contiguous_call(s: InputSet) -> Callable[[], torch.Tensor]:
     return lambda: paged_attention(s.query, key_cache, value_cache, block_tables, s.seq_lens, out=out)
 
 
-def _bench_config(cfg: Config, args: argparse.Namespace, flex: _Flex | None, rows: list[dict]) -> None:
+def _bench_config(cfg: Config, args: argparse.Namespace, flex: _Flex | None, peers: FlashInferDecode | str,
+                  rows: list[dict]) -> None:
+    """Times every implementation on cfg's input sets into rows; peers: FlashInfer's calls, or why there
+    are none (then its columns say so)."""
     num_sets = max(1, math.ceil(args.min_kv_mb * 1e6 / cfg.kv_bytes))
     generator = torch.Generator(device="cuda").manual_seed(0)
     sets = [_make_set(cfg, generator) for _ in range(num_sets)]
@@ -309,16 +326,27 @@ def _bench_config(cfg: Config, args: argparse.Namespace, flex: _Flex | None, row
         ("tpkit-contiguous", _tpkit_contiguous_call)]
     impls += [(name, lambda s, b=backend: _sdpa_call(s, b)) for name, backend in SDPA_BACKENDS.items()]
     impls += [("sdpa-default", lambda s: _sdpa_call(s, None)), ("naive-gather-sdpa", _naive_call)]
-    if args.impls is not None:
-        impls = [(name, make) for name, make in impls if name in args.impls.split(",")]
+    if not isinstance(peers, str):
+        impls += [(name, lambda s, n=name: peers.call(n, s.query, s.key_cache, s.value_cache, s.block_tables,
+                                                      s.seq_lens)) for name in FLASHINFER_IMPLS]
+    selected = None if args.impls is None else args.impls.split(",")
+    if selected is not None:
+        impls = [(name, make) for name, make in impls if name in selected]
     results: dict[str, tuple[float, float]] = {}
+    statuses = {name: peers for name in FLASHINFER_IMPLS
+                if isinstance(peers, str) and (selected is None or name in selected)}
     for name, make in impls:
         try:
             calls = [make(s) for s in sets]
             err = _rel_err(calls[0](), ref)
-            results[name] = (_graph_time_us(calls, args.replays, args.replay_ms), err)
-        except (RuntimeError, ValueError) as exc:
-            print(f"  {cfg.name} {name}: skipped ({_first_line(exc)})")
+            if err <= MAX_REL_ERR:  # not NaN either
+                results[name] = (_graph_time_us(calls, args.replays, args.replay_ms), err)
+            else:
+                statuses[name] = "wrong"
+                print(f"  {cfg.name} {name}: wrong (relative error {err:.1e} against the float32 reference)")
+        except Exception as exc:  # FlashInfer's build and shape errors vary; report and go on
+            statuses[name] = "fails"
+            print(f"  {cfg.name} {name}: fails ({_first_line(exc)})")
         torch.cuda.synchronize()
     print(f"  {cfg.name} sdpa-math: skipped (materialises the scores; far slower than every other backend)")
     if flex is not None:
@@ -338,35 +366,74 @@ def _bench_config(cfg: Config, args: argparse.Namespace, flex: _Flex | None, row
     del sets
     torch.cuda.empty_cache()
 
+    shape = {"config": cfg.name, "dtype": cfg.dtype, "batch": cfg.batch, "seq_len": cfg.seq_len,
+             "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads, "head_size": HEAD_SIZE,
+             "block_size": BLOCK_SIZE, "kv_bytes": cfg.kv_bytes, "num_input_sets": num_sets}
     sdpa = {k: v for k, v in results.items() if k.startswith("sdpa")}
     best_sdpa = min(sdpa.items(), key=lambda kv: kv[1][0]) if sdpa else None
     for name, (t_us, err) in sorted(results.items(), key=lambda kv: kv[1][0]):
         gbps = cfg.kv_bytes / (t_us * 1e-6) / 1e9
-        row = {
-            "config": cfg.name, "impl": name, "dtype": cfg.dtype, "batch": cfg.batch, "seq_len": cfg.seq_len,
-            "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads, "head_size": HEAD_SIZE,
-            "block_size": BLOCK_SIZE, "kv_bytes": cfg.kv_bytes, "num_input_sets": num_sets,
-            "t_us": round(t_us, 2), "GBps": round(gbps, 1),
+        rows.append({
+            **shape, "impl": name, "t_us": round(t_us, 2), "GBps": round(gbps, 1),
             "ratio_to_best_sdpa": round(t_us / best_sdpa[1][0], 3) if best_sdpa else None,
-            "best_sdpa": best_sdpa is not None and name == best_sdpa[0], "rel_err": err,
-        }
-        rows.append(row)
+            "best_sdpa": best_sdpa is not None and name == best_sdpa[0], "rel_err": err, "status": "ok",
+        })
+    for name, status in statuses.items():
+        rows.append({**shape, "impl": name, "t_us": None, "status": status})
 
 
 def _print_table(rows: list[dict], copy_bw: float) -> None:
-    print(f"\ncopy bandwidth {copy_bw:.0f} GB/s; ratio = t / t(best SDPA, contiguous KV), * = best SDPA; "
-          f"vLLM x = vLLM anchor time / tpkit time")
-    print(f"{'config':<8}{'impl':<20}{'us':>9}{'GB/s':>8}{'%copy':>7}{'ratio':>7}{'rel_err':>10}")
-    for row in rows:
+    timed = [row for row in rows if row["t_us"] is not None]
+    print(f"\ncopy bandwidth {copy_bw:.0f} GB/s; ratio = t / t(best SDPA, contiguous KV), * = best SDPA")
+    print(f"{'config':<9}{'impl':<20}{'us':>9}{'GB/s':>8}{'%copy':>7}{'ratio':>7}{'rel_err':>10}")
+    for row in timed:
         mark = " *" if row["best_sdpa"] else ""
         ratio = f"{row['ratio_to_best_sdpa']:.2f}" if row["ratio_to_best_sdpa"] is not None else "-"
-        print(f"{row['config'] + '-' + row['dtype']:<8}{row['impl'] + mark:<20}{row['t_us']:>9.1f}"
+        print(f"{row['config'] + '-' + row['dtype']:<9}{row['impl'] + mark:<20}{row['t_us']:>9.1f}"
               f"{row['GBps']:>8.0f}{row['pct_copy_bw']:>7.1f}{ratio:>7}{row['rel_err']:>10.1e}")
+
+
+def _print_peers(rows: list[dict], vllm_us: dict[str, float]) -> None:
+    """One line per configuration: us of tpkit and its peers, and tpkit / the best of them (every
+    implementation of another library that ran; vLLM's measured figure where there is one)."""
+    by_config: dict[str, dict[str, dict]] = {}
     for row in rows:
-        if row["impl"] == "tpkit" and row["config"] in VLLM_ANCHOR_US:
-            vllm = VLLM_ANCHOR_US[row["config"]]
-            print(f"{row['config']}: tpkit {row['t_us']:.1f} us vs vLLM (anchor) {vllm} us -> "
-                  f"{vllm / row['t_us']:.1f}x")
+        by_config.setdefault(row["config"], {})[row["impl"]] = row
+    print(f"\n{'config':<34}" + "".join(f"{c:>14}" for c in PEER_COLUMNS.values())
+          + f"{'vLLM':>10}{'tpkit / best other':>20}")
+    for config, impls in by_config.items():
+        cells = []
+        for impl in PEER_COLUMNS:
+            row = impls.get(impl)
+            if row is None:
+                cells.append("-")
+            else:
+                cells.append(row["status"] if row["t_us"] is None else f"{row['t_us']:.1f}")
+        any_row = next(iter(impls.values()))
+        others = [r["t_us"] for name, r in impls.items() if not name.startswith("tpkit") and r["t_us"]]
+        key = f"{config}-{any_row['dtype']}"
+        if key in vllm_us:
+            others.append(vllm_us[key])
+        tpkit = impls.get("tpkit")
+        ratio = f"{tpkit['t_us'] / min(others):.2f}" if tpkit and tpkit["t_us"] and others else "-"
+        label = (f"{key} B={any_row['batch']} L={any_row['seq_len']} "
+                 f"{any_row['num_heads']}:{any_row['num_kv_heads']}")
+        print(f"{label:<34}" + "".join(f"{c:>14}" for c in cells) + f"{vllm_us.get(key, '-'):>10}{ratio:>20}")
+
+
+def _vllm_us() -> dict[str, float]:
+    """vLLM's best of paged_attention v1 and v2 per "config-dtype", from the baselines file."""
+    baselines = json.loads(BASELINES.read_text())["vllm"]["us"]
+    return {key: min(times.values()) for key, times in baselines.items()}
+
+
+def add_timer_args(parser: argparse.ArgumentParser, *, min_kv_mb: float) -> None:
+    """The timer's options (see :func:`_graph_time_us`): --min-kv-mb, --replays, --replay-ms."""
+    parser.add_argument("--min-kv-mb", type=float, default=min_kv_mb,
+                        help="KV read between two reads of the same bytes (MB)")
+    parser.add_argument("--replays", type=int, default=30)
+    parser.add_argument("--replay-ms", type=float, default=20.0,
+                        help="ms a replay takes, in rounds of the input sets (0: one round)")
 
 
 def main() -> None:
@@ -377,11 +444,7 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="comma-separated names of the built-in configs to run")
     parser.add_argument("--impls", default=None,
                         help="comma-separated implementations to run (default: all), e.g. tpkit,sdpa-cudnn")
-    parser.add_argument("--min-kv-mb", type=float, default=512.0,
-                        help="KV read between two reads of the same bytes (MB)")
-    parser.add_argument("--replays", type=int, default=30)
-    parser.add_argument("--replay-ms", type=float, default=20.0,
-                        help="ms a replay takes, in rounds of the input sets (0: one round)")
+    add_timer_args(parser, min_kv_mb=512.0)
     parser.add_argument("--flex-budget-s", type=float, default=90.0,
                         help="total seconds for FlexAttention (compiles included); 0 skips it")
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/paged_attention_h200.json"))
@@ -395,18 +458,24 @@ def main() -> None:
           f"CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}; "
           f"python {platform.python_version()}")
     flex = _Flex(args.flex_budget_s) if args.flex_budget_s > 0 else None
+    reason = import_error()
+    if reason is not None:
+        print(f"FlashInfer: not installed ({reason})")
+    peers = "not installed" if reason is not None else FlashInferDecode(torch.device("cuda"))
     rows: list[dict] = []
     for cfg in configs:
         t0 = time.perf_counter()
-        _bench_config(cfg, args, flex, rows)
+        _bench_config(cfg, args, flex, peers, rows)
         print(f"  {cfg}: KV {cfg.kv_bytes / 1e6:.1f} MB ({time.perf_counter() - t0:.0f} s)")
     # After the configurations: the paged kernels ran C5 and C6 about 11% slower on memory the clone's 2 GiB
     # tensors had held (kept by the caching allocator, reused by the first configuration); contiguous
     # reads did not slow down there.
     copy_bw = _copy_bandwidth_gbps()
     for row in rows:
-        row["pct_copy_bw"] = round(100 * row["GBps"] / copy_bw, 1)
+        if row["t_us"] is not None:
+            row["pct_copy_bw"] = round(100 * row["GBps"] / copy_bw, 1)
     _print_table(rows, copy_bw)
+    _print_peers(rows, _vllm_us())
     args.json.parent.mkdir(parents=True, exist_ok=True)
     meta = {"gpu": props.name, "torch": torch.__version__, "cuda": torch.version.cuda,
             "cudnn": torch.backends.cudnn.version(), "copy_bw_GBps": round(copy_bw, 1)}

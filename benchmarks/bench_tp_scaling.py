@@ -11,8 +11,8 @@ Without torchrun it spawns one process per rank for each tp size (gloo on CPU, N
 Decode latency per token is (time of generate(1 + N tokens) - time of generate(1 token)) / N, so it holds
 the whole step (embedding, layers, LM head, sampling). The all-reduce share is measured apart: the same
 count of all-reduces a decode step makes (two per layer and one for the embedding), on messages of the
-decode step's size ``[batch, hidden]``, timed alone. Goal (issue 8): at tp_size 2 and batch 1 the decode
-step takes at most 0.6x the tp_size 1 time for the 8B shapes.
+decode step's size ``[batch, hidden]``, timed alone. The goal: at tp_size 2 and batch 1 the decode step
+takes at most 0.6x the tp_size 1 time for the 8B shapes.
 
 ``--profile``: after the timings, each tp size runs its decode steps once more under ``torch.profiler``
 and rank 0 prints the operators that took the most host time a step, with their device time,
@@ -22,10 +22,8 @@ to show where a step's time goes when tp sizes differ.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -33,15 +31,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.profiler import ProfilerActivity, profile
 
 from tpkit.models import LlamaForCausalLM
-from tpkit.parallel_layers import destroy_tensor_parallel, init_tensor_parallel
-
-# NVLink multicast stays off on the lent multi-GPU machines (it can take shared GPUs out of service).
-_NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-_EXIT_TIMEOUT_S = 120
+from tpkit.parallel_layers import destroy_tensor_parallel, init_tensor_parallel, launch, local_device
 
 SHAPES = {
     # Llama-3-8B.
@@ -149,60 +142,22 @@ def _profile(fn, device: torch.device, title: str, steps: int, show: bool, top: 
         print(f"{event.key[:48]:<48} {event.count / steps:>10.1f} {host_ms:>12.3f} {device_ms:>10.3f}")
 
 
-def _rank_main(rank: int, world_size: int, port: int, measure, args: argparse.Namespace, results) -> None:
-    os.environ.update(_NCCL_ENV)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size))
-    if args.device == "cuda":
-        torch.cuda.set_device(rank)
-        backend = "nccl"
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        backend = "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=300))
-    try:
-        device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
-        result = measure(args, device)
-        if rank == 0:
-            results.put(result)
-        # Ranks leave together: a gloo rank torn down while a peer still talks to it can abort at exit.
-        dist.barrier()
-    finally:
-        destroy_tensor_parallel()
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _on_rank(measure, args: argparse.Namespace):
+    result = measure(args, local_device())
+    return result if dist.get_rank() == 0 else None
 
 
 def spawn_ranks(tp_size: int, measure, args: argparse.Namespace):
     """Runs ``measure(args, device)`` on ``tp_size`` fresh ranks (gloo on CPU, NCCL with a GPU each, as
     ``args.device`` says); returns rank 0's result. ``measure`` must be a module-level function."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    context = mp.spawn(_rank_main, args=(tp_size, _free_port(), measure, args, results), nprocs=tp_size,
-                       join=False)
-    result = results.get(timeout=args.timeout)
-    # The result is in: ranks that do not leave (a teardown stuck in NCCL) cost the run nothing more.
-    deadline = time.monotonic() + _EXIT_TIMEOUT_S
-    while not context.join(timeout=max(0.0, deadline - time.monotonic())):  # returns as each rank exits
-        if time.monotonic() >= deadline:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-            print(f"tp_size {tp_size}: ranks still running {_EXIT_TIMEOUT_S} s after their result, killed",
-                  file=sys.stderr)
-            break
-    return result
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    return launch(_on_rank, tp_size, measure, args, backend=backend, timeout=args.timeout,
+                  collective_timeout=300)[0]
 
 
 def run_under_torchrun(measure, args: argparse.Namespace):
     """Under torchrun: runs ``measure(args, device)`` on this rank of the launched world (NCCL with
     ``--device cuda``, else gloo) and tears the groups down; returns (this rank, its result)."""
-    os.environ.update(_NCCL_ENV)
     cuda = args.device == "cuda"
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
     if cuda:

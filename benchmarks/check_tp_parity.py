@@ -1,4 +1,4 @@
-"""Tensor-parallel parity of a Llama model across tp sizes (issue 8): the same random weights sharded over
+"""Tensor-parallel parity of a Llama model across tp sizes: the same random weights sharded over
 1, 2 and 4 ranks give the same logits and the same greedy tokens.
 
     python benchmarks/check_tp_parity.py                                   # CPU ranks over gloo, small shapes
@@ -74,7 +74,6 @@ def _measure(args: argparse.Namespace, device: torch.device) -> dict:
         with torch.inference_mode():
             logits = model(prompts.to(device))[:, -1].float().cpu()  # [batch, vocab]
         tokens = model.generate(prompts, args.new_tokens, ignore_eos=True)
-        # Plain lists: a tensor sent through a queue lives in shared memory that ends with this process.
         results[dtype_name] = {"logits": logits.tolist(), "tokens": tokens}
         del model
         if device.type == "cuda":

@@ -15,7 +15,7 @@ import time
 from collections import defaultdict
 
 import torch
-from bench_latency import LLAMA3_8B
+from bench_latency import BASELINE, LLAMA3_8B
 from torch.profiler import ProfilerActivity, profile
 
 from tpkit.models import LlamaForCausalLM
@@ -75,11 +75,12 @@ def main() -> None:
         by_kind[_kind(name)] += sum(durations)
 
     steps = args.output_len - 1
-    copy_floor_ms = weight_bytes / 4290e9 * 1e3  # the anchor's copy bandwidth, ../shared/anchors
+    copy_gbps = BASELINE["copy_bandwidth_GBps"]  # the H200 baseline's copy bandwidth
+    copy_floor_ms = weight_bytes / (copy_gbps * 1e9) * 1e3
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; options {options}; "
           f"batch {args.batch}, input {args.input_len}, output {args.output_len}")
     print(f"wall {wall_s:.3f} s (unprofiled); GPU kernel time {total_us / 1e6:.3f} s; weights "
-          f"{weight_bytes / 1e9:.2f} GB = {copy_floor_ms:.2f} ms a step at 4290 GB/s")
+          f"{weight_bytes / 1e9:.2f} GB = {copy_floor_ms:.2f} ms a step at {copy_gbps} GB/s")
     print(f"\n| kind | GPU ms | share | ms per decode step (/{steps}) |")
     print("|---|---:|---:|---:|")
     for kind, us in sorted(by_kind.items(), key=lambda kv: -kv[1]):

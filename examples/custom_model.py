@@ -14,11 +14,8 @@ model ``generate`` on the paged KV cache. Every rank checks itself against the s
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from tpkit.attention import Attention
@@ -32,6 +29,8 @@ from tpkit.parallel_layers import (
     TPGroup,
     VocabParallelEmbedding,
     init_tensor_parallel,
+    launch,
+    local_device,
 )
 
 # Heads of 32 (the smallest the CUDA attention kernel takes).
@@ -112,8 +111,9 @@ def checkpoint(seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def run(device: torch.device) -> None:
+def run() -> None:
     tp = init_tensor_parallel()
+    device = local_device()  # this rank's GPU under torchrun with NCCL, else the CPU
     model = TinyLM(device)
     model.load_weights(checkpoint().items())
     reference = TinyLM(device, tp_group=TPGroup(None, 0, 1))  # the same model, unsharded
@@ -131,20 +131,8 @@ def run(device: torch.device) -> None:
         print(f"logits and greedy tokens equal the unsharded model's; {tokens[0]}")
 
 
-def _spawned(rank: int, world_size: int, port: int) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    run(torch.device("cpu"))
-    dist.barrier()  # leave together: a gloo rank torn down while its peer still talks to it can abort
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    if "WORLD_SIZE" in os.environ:  # torchrun
-        run(torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available()
-            else torch.device("cpu"))
+    if "WORLD_SIZE" in os.environ:  # torchrun: this process is a rank
+        run()
     else:
-        with socket.socket() as s:  # a free port for the ranks to meet on
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.spawn(_spawned, args=(2, port), nprocs=2)
+        launch(run, 2)  # 2 CPU ranks (gloo) on this machine

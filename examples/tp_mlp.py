@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
@@ -27,6 +25,8 @@ from tpkit.parallel_layers import (
     RowParallelLinear,
     destroy_tensor_parallel,
     init_tensor_parallel,
+    launch,
+    local_device,
 )
 
 
@@ -52,8 +52,7 @@ def reference_mlp(x: torch.Tensor, gate: nn.Linear, up: nn.Linear, down: nn.Line
 def run(hidden_size: int, intermediate_size: int, tokens: int) -> bool:
     """One rank's work; returns whether the output matched (on every rank)."""
     tp = init_tensor_parallel(timeout=60)
-    on_gpu = tp.backend == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    device = local_device()  # this rank's GPU under torchrun with NCCL, else the CPU
     torch.manual_seed(0)  # same full weights and input on every rank
     gate, up, down = (nn.Linear(hidden_size, intermediate_size, bias=False, device=device),
                       nn.Linear(hidden_size, intermediate_size, bias=False, device=device),
@@ -89,20 +88,6 @@ def run(hidden_size: int, intermediate_size: int, tokens: int) -> bool:
     return ok
 
 
-def _spawned_rank(rank: int, nproc: int, port: int, args: argparse.Namespace) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(nproc),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc))
-    torch.set_num_threads(1)
-    if not run(args.hidden_size, args.intermediate_size, args.tokens):
-        sys.exit(1)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -116,12 +101,9 @@ def main() -> None:
         sys.exit(0 if run(args.hidden_size, args.intermediate_size, args.tokens) else 1)
     if args.nproc < 1:
         parser.error(f"--nproc must be at least 1, got {args.nproc}")
-    # Spawned ranks use gloo on CPU, whatever GPUs there are.
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    try:
-        mp.spawn(_spawned_rank, args=(args.nproc, _free_port(), args), nprocs=args.nproc)
-    except mp.ProcessExitedException as error:  # a rank saw a mismatch (it printed why) or died
-        sys.exit(f"examples/tp_mlp.py: {error}")
+    # CPU ranks (gloo) on this machine, whatever GPUs there are.
+    matches = launch(run, args.nproc, args.hidden_size, args.intermediate_size, args.tokens)
+    sys.exit(0 if all(matches) else 1)
 
 
 if __name__ == "__main__":

@@ -21,19 +21,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tpkit.models import from_pretrained
 from tpkit.parallel_layers import (
     clip_grad_norm_,
+    destroy_tensor_parallel,
     init_tensor_parallel,
+    launch,
+    local_device,
     reduce_kv_replica_grads,
     reduce_sequence_parallel_grads,
 )
@@ -64,8 +65,9 @@ def vocab_parallel_loss(model, input_ids: torch.Tensor, labels: torch.Tensor) ->
     return model.lm_head.cross_entropy(model.hidden_states(input_ids, positions), labels)
 
 
-def run(path: str, device: torch.device, sequence_parallel: bool) -> None:
+def run(path: str, sequence_parallel: bool) -> None:
     tp = init_tensor_parallel()
+    device = local_device()  # this rank's GPU under torchrun with NCCL, else the CPU
     model = from_pretrained(path, device=device, sequence_parallel=sequence_parallel).train()
     reference = LlamaForCausalLM.from_pretrained(path).to(device).train()
     optimizers = [torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=0.01) for m in (model, reference)]
@@ -105,14 +107,6 @@ def run(path: str, device: torch.device, sequence_parallel: bool) -> None:
               f"head's {tp.size} replicas are equal")
 
 
-def _spawned(rank: int, world_size: int, port: int, path: str, sequence_parallel: bool) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    run(path, torch.device("cpu"), sequence_parallel)
-    dist.barrier()  # leave together: a gloo rank torn down while its peer still talks to it can abort
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="Train a tensor-parallel Llama beside transformers.")
     parser.add_argument("--sequence-parallel", action="store_true",
@@ -120,22 +114,15 @@ if __name__ == "__main__":
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as checkpoint:
         if "WORLD_SIZE" in os.environ:  # torchrun: rank 0 writes the checkpoint, every rank reads it
-            on_gpu = torch.cuda.is_available()
-            if on_gpu:
-                torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-            dist.init_process_group("nccl" if on_gpu else "gloo")
+            tp = init_tensor_parallel()
             paths = [checkpoint]
-            dist.broadcast_object_list(paths, src=0)
-            if dist.get_rank() == 0:
+            dist.broadcast_object_list(paths, group=tp.group, group_src=0)
+            if tp.rank == 0:
                 write_checkpoint(paths[0])
-            dist.barrier()
-            run(paths[0], torch.device("cuda", torch.cuda.current_device()) if on_gpu else
-                torch.device("cpu"), args.sequence_parallel)
-            dist.barrier()
-            dist.destroy_process_group()
+            dist.barrier(group=tp.group)
+            run(paths[0], args.sequence_parallel)
+            dist.barrier(group=tp.group)
+            destroy_tensor_parallel()
         else:
             write_checkpoint(checkpoint)
-            with socket.socket() as s:  # a free port for the ranks to meet on
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            mp.spawn(_spawned, args=(2, port, checkpoint, args.sequence_parallel), nprocs=2)
+            launch(run, 2, checkpoint, args.sequence_parallel)  # 2 CPU ranks (gloo) on this machine

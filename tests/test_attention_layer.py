@@ -1,6 +1,9 @@
-"""The Attention module: prefill and decode through the paged cache against naive attention."""
+"""The Attention module: every step shape through the paged cache, and SDPA without one, against naive
+attention."""
 
+import dataclasses
 import math
+import random
 
 import pytest
 import torch
@@ -39,6 +42,11 @@ def right_padded(full, lens, gen):
     return padded
 
 
+def packed(full, starts, ends):
+    """Positions starts[i]:ends[i] of each row of full [batch, seq, width], packed as [1, tokens, width]."""
+    return torch.cat([full[i, a:b] for i, (a, b) in enumerate(zip(starts, ends, strict=True))])[None]
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (6, 1)])
 def test_prefill_then_decode_equals_full_causal_attention(num_heads, num_kv_heads):
     gen = torch.Generator().manual_seed(num_heads + num_kv_heads)
@@ -54,13 +62,17 @@ def test_prefill_then_decode_equals_full_causal_attention(num_heads, num_kv_head
     seq_ids = [10, 20, 30]
 
     metadata = cache.prefill_metadata(seq_ids, prompt_lens)
-    out = attention(right_padded(q_full, prompt_lens, gen), right_padded(k_full, prompt_lens, gen),
-                    right_padded(v_full, prompt_lens, gen), kv_cache=cache, layer_idx=1, metadata=metadata)
-    assert out.shape == (3, max(prompt_lens), num_heads * HEAD_SIZE)
+    zeros = [0] * 3
+    out = attention(packed(q_full, zeros, prompt_lens), packed(k_full, zeros, prompt_lens),
+                    packed(v_full, zeros, prompt_lens), kv_cache=cache, layer_idx=1, metadata=metadata)
+    assert out.shape == (1, sum(prompt_lens), num_heads * HEAD_SIZE)
+    start = 0
     for i, n in enumerate(prompt_lens):
         expected = naive_attention(heads(q_full[i, :n], num_heads), heads(k_full[i, :n], num_kv_heads),
                                    heads(v_full[i, :n], num_kv_heads), causal=True)
-        torch.testing.assert_close(heads(out[i, :n], num_heads).double(), expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(heads(out[0, start:start + n], num_heads).double(), expected, atol=1e-5,
+                                   rtol=1e-5)
+        start += n
     assert cache.key_caches[0].isnan().all()  # layer 0 untouched
 
     for step in range(steps):
@@ -78,9 +90,68 @@ def test_prefill_then_decode_equals_full_causal_attention(num_heads, num_kv_head
                                        rtol=1e-5)
 
 
+@pytest.mark.parametrize("seed,num_heads,num_kv_heads", [(0, 4, 2), (1, 6, 1), (2, 4, 4)])
+def test_steps_of_every_shape_equal_full_causal_attention(seed, num_heads, num_kv_heads):
+    """Random steps over one cache: prompts started whole or in chunks, chunks after cached tokens,
+    several speculative tokens of which the last are then rejected (truncated and replaced), decodes
+    mixed into packed steps, and plain decode steps. Every token's output is causal attention over its
+    sequence's tokens as they stand at that step."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [23, 9, 31]
+    q_full = torch.randn(3, 40, num_heads * HEAD_SIZE, generator=gen)
+    k_full = torch.randn(3, 40, num_kv_heads * HEAD_SIZE, generator=gen)
+    v_full = torch.randn(3, 40, num_kv_heads * HEAD_SIZE, generator=gen)
+    cache = PagedKVCache(1, 40, 4, num_kv_heads, HEAD_SIZE, dtype=torch.float32, device="cpu")
+    for tensor in cache.key_caches + cache.value_caches:
+        tensor.fill_(float("nan"))
+    attention = Attention(num_heads, HEAD_SIZE, num_kv_heads)
+    done = [0, 0, 0]
+    while done != lengths:
+        live = [i for i in range(3) if done[i] < lengths[i]]
+        if all(i in cache and done[i] > 0 for i in live) and rng.random() < 0.3:
+            metadata = cache.decode_metadata(live)  # the decode kernel's shape
+            counts, rows = [1] * len(live), torch.tensor(live)
+            out = attention(q_full[rows, [done[i] for i in live]][:, None],
+                            k_full[rows, [done[i] for i in live]][:, None],
+                            v_full[rows, [done[i] for i in live]][:, None], kv_cache=cache, metadata=metadata)
+            out = out[:, 0]
+        else:
+            counts = [rng.choice([0, 1, 1, 3, 8, lengths[i]]) for i in live]
+            counts = [min(n, lengths[i] - done[i]) for i, n in zip(live, counts, strict=True)]
+            for i in live:
+                if i not in cache:
+                    cache.add_sequence(i)
+            cache.append_slots(live, counts)
+            metadata = cache.step_metadata(live, counts)
+            ends = [done[i] + n for i, n in zip(live, counts, strict=True)]
+            starts = [done[i] for i in live]
+            rows = [q_full[i:i + 1] for i in live]
+            picks = (torch.cat(rows), torch.cat([k_full[i:i + 1] for i in live]),
+                     torch.cat([v_full[i:i + 1] for i in live]))
+            out = attention(*(packed(x, starts, ends) for x in picks), kv_cache=cache, metadata=metadata)[0]
+        row = 0
+        for i, n in zip(live, counts, strict=True):
+            for p in range(done[i], done[i] + n):
+                expected = naive_attention(heads(q_full[i, p:p + 1], num_heads),
+                                           heads(k_full[i, :p + 1], num_kv_heads),
+                                           heads(v_full[i, :p + 1], num_kv_heads), causal=True)
+                torch.testing.assert_close(heads(out[row], num_heads).double(), expected[0], atol=1e-5,
+                                           rtol=1e-5)
+                row += 1
+            done[i] += n
+            if n > 1 and done[i] < lengths[i] and rng.random() < 0.5:
+                # The last tokens were speculative and are rejected: dropped, and other tokens come instead.
+                rejected = rng.randint(1, n - 1)
+                cache.truncate(i, rejected)
+                done[i] -= rejected
+                for full in (q_full, k_full, v_full):
+                    full[i, done[i]:] = torch.randn(full.shape[1] - done[i], full.shape[2], generator=gen)
+
+
 def test_cross_attention_prefill_and_decode():
-    """Encoder K/V written once at prefill; decode steps pass none and attend to every valid encoder
-    position (not causally)."""
+    """Encoder K/V written once at prefill, where the decoder's queries (their own query_start_loc) attend
+    to them; decode steps pass none and attend to every encoder position (not causally)."""
     gen = torch.Generator().manual_seed(1)
     num_heads, num_kv_heads = 4, 2
     encoder_lens, decoder_len = [3, 9], 4
@@ -97,12 +168,13 @@ def test_cross_attention_prefill_and_decode():
         return naive_attention(heads(q, num_heads), heads(enc_k[i, :n], num_kv_heads),
                                heads(enc_v[i, :n], num_kv_heads), causal=False)
 
-    metadata = cross_cache.prefill_metadata([0, 1], encoder_lens)
-    out = attention(dec_q[:, :2], right_padded(enc_k, encoder_lens, gen),
-                    right_padded(enc_v, encoder_lens, gen), kv_cache=cross_cache, metadata=metadata)
+    metadata = dataclasses.replace(cross_cache.prefill_metadata([0, 1], encoder_lens),
+                                   query_start_loc=torch.tensor([0, 2, 4], dtype=torch.int32))
+    out = attention(packed(dec_q, [0, 0], [2, 2]), packed(enc_k, [0, 0], encoder_lens),
+                    packed(enc_v, [0, 0], encoder_lens), kv_cache=cross_cache, metadata=metadata)
     for i in range(2):
-        torch.testing.assert_close(heads(out[i], num_heads).double(), expected(i, dec_q[i, :2]),
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(heads(out[0, 2 * i:2 * i + 2], num_heads).double(),
+                                   expected(i, dec_q[i, :2]), atol=1e-5, rtol=1e-5)
     free = cross_cache.num_free_blocks
     for step in range(2, decoder_len):
         metadata = cross_cache.decode_metadata([0, 1], append=False)
@@ -122,8 +194,8 @@ def test_decode_query_views():
     attention = Attention(num_heads, HEAD_SIZE, num_kv_heads)
     k = torch.randn(2, 7, num_kv_heads * HEAD_SIZE, generator=gen)
     v = torch.randn(2, 7, num_kv_heads * HEAD_SIZE, generator=gen)
-    attention(torch.randn(2, 6, num_heads * HEAD_SIZE, generator=gen), k[:, :6], v[:, :6], kv_cache=cache,
-              metadata=cache.prefill_metadata([0, 1], [6, 3]))
+    attention(torch.randn(1, 9, num_heads * HEAD_SIZE, generator=gen), packed(k, [0, 0], [6, 3]),
+              packed(v, [0, 0], [6, 3]), kv_cache=cache, metadata=cache.prefill_metadata([0, 1], [6, 3]))
     width = num_heads * HEAD_SIZE
     fused = torch.randn(2, 1, width + num_kv_heads * HEAD_SIZE, generator=gen)  # [q | k] of one step
     wide = torch.randn(2, 1, 2 * width, generator=gen)
@@ -199,6 +271,9 @@ def test_bad_calls():
         attention(q, kv, kv, kv_cache=cache, metadata=prefill, layer_idx=1)
     with pytest.raises(ValueError, match=r"query: expected q_len 1 at a decode step, got shape \[2, 3, 64\]"):
         attention(q, kv, kv, kv_cache=cache, metadata=decode)
+    with pytest.raises(ValueError, match=r"key: expected 2 tokens \(one per slot_mapping entry\), got shape "
+                                         r"\[2, 3, 32\]"):
+        attention(q[:, :1], kv, kv, kv_cache=cache, metadata=decode)
     with pytest.raises(ValueError, match=r"key, value: expected tensors without a kv_cache, got None"):
         attention(q, None, None)
     with pytest.raises(ValueError, match=r"key, value: expected both tensors or both None, got Tensor and"):

@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import functools
 import json
-import multiprocessing as mp
-import os
-import queue
 import shutil
 
 import pytest
 import torch
 from checkpoints import make_llama_checkpoint
-from multirank import device, free_port, under_torchrun
+from multirank import device, under_torchrun
 from transformers.generation.logits_process import (
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -27,7 +24,7 @@ from transformers.generation.logits_process import (
 from tpkit.models import LlamaForCausalLM, from_pretrained
 from tpkit.models.cuda_graph import StaticDecodeStep
 from tpkit.models.generation import Sampler, filter_logits, greedy_tokens
-from tpkit.parallel_layers import TPGroup
+from tpkit.parallel_layers import TPGroup, launch
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [20], [30, 31, 32, 33, 34, 35, 36]]
 # In this process (also under torchrun): a single-rank group on the CPU.
@@ -175,52 +172,28 @@ def test_cuda_graph_gives_the_eager_tokens(checkpoint):
     assert model.generate(prompts, 100, ignore_eos=True, cuda_graph=True) == eager
 
 
-def _graphs_then_teardown(rank: int, port: int, path: str, results: mp.Queue) -> None:
-    from tpkit.parallel_layers import destroy_tensor_parallel, init_tensor_parallel
+def _eager_and_graphed_tokens(path: str) -> tuple[list[list[int]], list[list[int]]]:
+    from tpkit.parallel_layers import init_tensor_parallel, local_device
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank))
-    init_tensor_parallel(backend="nccl")  # creates the default group, which destroy_tensor_parallel destroys
-    model = from_pretrained(path, device=torch.device("cuda", rank), dtype=torch.bfloat16)
+    init_tensor_parallel()
+    model = from_pretrained(path, device=local_device(), dtype=torch.bfloat16)
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, model.vocab_size, (n,), generator=generator).tolist() for n in (100, 37, 150)]
     eager = model.generate(prompts, 40, ignore_eos=True)
     graphed = model.generate(prompts, 40, ignore_eos=True, cuda_graph=True)
-    results.put((rank, "tokens", (eager, graphed)))
-    # The graph captured the group's all-reduces: a teardown that waits on it would hang here.
-    del model
-    destroy_tensor_parallel()
-    results.put((rank, "destroyed", None))
+    return eager, graphed
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2 or under_torchrun(),
                     reason="needs two GPUs and a plain pytest process (it starts its own NCCL ranks)")
 def test_cuda_graph_at_two_ranks_gives_the_eager_tokens_and_lets_the_group_go(checkpoint):
     """The graph replays the step's NCCL all-reduces: the same tokens as eager steps on both ranks, and
-    the process group is destroyed after (a teardown stuck in NCCL fails here after 120 s, not hangs)."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_graphs_then_teardown, args=(rank, port, str(checkpoint), results),
-                         daemon=True) for rank in range(2)]
-    for proc in procs:
-        proc.start()
-    seen: dict[tuple[int, str], object] = {}
-    try:
-        while len(seen) < 4:
-            rank, what, value = results.get(timeout=120)
-            seen[rank, what] = value
-    except queue.Empty:
-        pass
-    finally:
-        for proc in procs:
-            proc.kill()
-    assert {(0, "tokens"), (1, "tokens")} <= seen.keys(), f"the ranks did not generate: {sorted(seen)}"
-    for rank in range(2):
-        eager, graphed = seen[rank, "tokens"]
+    the process group is destroyed after (the launcher raises TimeoutError for a teardown stuck in NCCL
+    rather than hanging)."""
+    results = launch(_eager_and_graphed_tokens, 2, str(checkpoint), backend="nccl", timeout=300,
+                     collective_timeout=120)
+    for eager, graphed in results:
         assert graphed == eager
-    assert {(0, "destroyed"), (1, "destroyed")} <= seen.keys(), \
-        f"destroy_tensor_parallel did not return within 120 s on every rank: {sorted(seen)}"
 
 
 @torch.inference_mode()

@@ -53,16 +53,19 @@ def test_prefill_and_decode_metadata_match_naive():
     assert metadata.slot_mapping.dtype == torch.int64 and metadata.block_tables.dtype == torch.int32
     assert metadata.seq_lens.dtype == metadata.query_lens.dtype == torch.int32
     assert metadata.seq_lens.tolist() == metadata.query_lens.tolist() == prompt_lens
-    expected = [naive_slot(metadata.block_tables, i, t, 4) if t < n else -1
-                for i, n in enumerate(prompt_lens) for t in range(max(prompt_lens))]
+    # Packed: each prompt's tokens in order, sequence after sequence.
+    expected = [naive_slot(metadata.block_tables, i, t, 4)
+                for i, n in enumerate(prompt_lens) for t in range(n)]
     assert metadata.slot_mapping.tolist() == expected
+    assert metadata.query_start_loc.dtype == torch.int32
+    assert metadata.query_start_loc.tolist() == [0, 5, 6, 14]
     written = {s for s in expected if s >= 0}
 
     lens = list(prompt_lens)
     for _ in range(9):
         free_before = cache.num_free_blocks
         metadata = cache.decode_metadata(seq_ids)
-        assert not metadata.is_prefill
+        assert not metadata.is_prefill and metadata.query_start_loc is None
         # A new block exactly when a sequence's last block is full.
         assert free_before - cache.num_free_blocks == sum(n % 4 == 0 for n in lens)
         check_tables(cache, metadata, seq_ids)

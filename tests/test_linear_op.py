@@ -332,15 +332,15 @@ def test_llama_fused_decode_layers_across_ranks_on_cpu() -> None:
 
 def test_llama_fused_decode_switch() -> None:
     # None: where the decode kernel takes the products (not on the CPU); True: every decode step without
-    # gradients; False: never. Never a prefill, nor a step that wants gradients.
+    # gradients; False: never. Never a packed step (a prefill), nor a step that wants gradients.
     model, caches, _, metadata = _llama_for_decode(1, (3, 2))
     x = torch.empty(2, 1, 64)
-    prefill = dataclasses.replace(metadata["self"], is_prefill=True)
+    packed = dataclasses.replace(metadata["self"], query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32))
     with torch.no_grad():
         assert not fused_decode_applies(model, x, caches["self"], metadata["self"])
         model.fused_decode = True
         assert fused_decode_applies(model, x, caches["self"], metadata["self"])
-        assert not fused_decode_applies(model, x, caches["self"], prefill)
+        assert not fused_decode_applies(model, x, caches["self"], packed)
         assert not fused_decode_applies(model, x, None, None)
         model.fused_decode = False
         assert not fused_decode_applies(model, x, caches["self"], metadata["self"])

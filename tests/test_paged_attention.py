@@ -186,6 +186,12 @@ def test_torch_compile_fullgraph():
         reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
         return paged_attention(query * 2, key_cache, value_cache, case["block_tables"], seq_lens) + 1
 
+    assert_compiled_step_matches_eager(step, case, key, value)
+
+
+def assert_compiled_step_matches_eager(step, case, key, value):
+    """``step(query, key, value, key_cache, value_cache)`` compiled in one graph gives eager's output and
+    cache writes, each on its own copy of the case's caches."""
     eager_caches = (case["key_cache"].clone(), case["value_cache"].clone())
     compiled_caches = (case["key_cache"].clone(), case["value_cache"].clone())
     expected = step(case["query"], key, value, *eager_caches)

@@ -135,7 +135,7 @@ def test_destroy_collects_cycles_before_the_group_goes(monkeypatch: pytest.Monke
 
 @pytest.mark.skipif(multirank.under_torchrun(), reason="spawns its own ranks; once is enough")
 def test_example_on_two_ranks() -> None:
-    """README's first command: examples/tp_mlp.py spawns 2 CPU ranks that init from torchrun's variables."""
+    """examples/tp_mlp.py starts 2 CPU ranks with the launcher; they init from torchrun's variables."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)

@@ -15,11 +15,8 @@ or a hub id) with its tokenizer and prints the completions of ``--prompt``.
 from __future__ import annotations
 
 import argparse
-import atexit
-import datetime
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -29,12 +26,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import save_file
 
 from tpkit.loaders import resolve_checkpoint
 from tpkit.models import from_pretrained
-from tpkit.parallel_layers import destroy_tensor_parallel, init_tensor_parallel
+from tpkit.parallel_layers import (
+    RankError,
+    destroy_tensor_parallel,
+    init_tensor_parallel,
+    launch,
+    local_device,
+)
 
 DEMO_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1000, "hidden_size": 256,
@@ -150,9 +152,13 @@ def prepare(args: argparse.Namespace, workdir: str) -> Job:
     return Job(str(path), prompts, args.max_new_tokens, False, args.dtype, args.cuda_graph)
 
 
-def run_rank(job: Job, device: torch.device) -> bool:
-    """Load this rank's shard, generate, print on rank 0. Returns False when transformers disagrees."""
+def run_rank(job: Job, device: torch.device | None = None) -> bool:
+    """Load this rank's shard, generate, print on rank 0. Returns False when transformers disagrees.
+
+    ``device`` defaults to this rank's (its GPU in an NCCL world, else the CPU).
+    """
     tp = init_tensor_parallel()
+    device = local_device() if device is None else device
     model = from_pretrained(job.path, device=device, dtype=job.dtype)
     # The warm-up captures the CUDA graph for this batch shape, so the timed run only replays it.
     warm_up_tokens = job.max_new_tokens if job.cuda_graph else 2
@@ -213,39 +219,6 @@ def _report(job: Job, model: Any, tp_size: int, device: torch.device, shards: li
             print(f"  {_decode(tokenizer, prompt)!r} -> {_decode(tokenizer, tokens)!r}")
 
 
-def _spawned_rank(rank: int, world_size: int, port: int, backend: str, job: Job) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-    else:
-        # The ranks share the machine's cores.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        device = torch.device("cpu")
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=5))
-    try:
-        ok = run_rank(job, device)
-        # Ranks leave together: a gloo rank torn down while a peer still talks to it can abort at exit.
-        dist.barrier()
-    finally:
-        destroy_tensor_parallel()
-        dist.destroy_process_group()
-    # Leave after the exit handlers but without the interpreter's teardown: there, after a clean
-    # destroy_process_group, about one CPU rank's exit in ten aborted ("terminate called without an active
-    # exception", no Python frame left; torch 2.13, gloo), which mp.spawn reports as the demo failing.
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0 if ok else 1)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m tpkit.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="HF model id or local checkpoint directory (default: a small random "
@@ -283,18 +256,18 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="tpkit-demo-") as workdir:
         job = prepare(args, workdir)
         try:
-            mp.spawn(_spawned_rank, args=(tp_size, _free_port(), "nccl" if use_cuda else "gloo", job),
-                     nprocs=tp_size, join=True)
-        except mp.ProcessExitedException as error:
+            # A rank's first CUDA call may build the kernels, minutes during which its peers wait.
+            matches = launch(run_rank, tp_size, job, backend="nccl" if use_cuda else "gloo",
+                             collective_timeout=300)
+        except (RankError, TimeoutError) as error:
             print(f"tpkit demo failed: {error}", file=sys.stderr)
             return 1
-    return 0
+    return 0 if all(matches) else 1
 
 
 def _main_torchrun(args: argparse.Namespace) -> int:
     tp = init_tensor_parallel()
-    on_gpu = tp.backend == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    device = local_device()
     if args.cuda_graph and device.type != "cuda":
         raise SystemExit("--cuda-graph needs NCCL ranks on GPUs")
     # Rank 0 writes the checkpoint and computes the reference; the others wait for its directory.

@@ -1,4 +1,4 @@
-"""The Attention module: SDPA without a cache or at prefill, paged attention at decode."""
+"""The Attention module: SDPA without a cache; with one, every step through paged attention."""
 
 from __future__ import annotations
 
@@ -15,21 +15,24 @@ from tpkit.ops.paged_attention import paged_attention, reshape_and_cache
 class Attention(nn.Module):
     """Multi-head attention over already projected queries, keys and values, for one rank's heads.
 
-    Inputs are ``[batch, seq, heads * head_size]``, right-padded for ragged batches. Query head ``h`` reads
-    KV head ``h // (num_heads // num_kv_heads)`` (MHA, GQA, MQA). The module has no parameters.
+    Inputs are ``[batch, seq, heads * head_size]``. Query head ``h`` reads KV head
+    ``h // (num_heads // num_kv_heads)`` (MHA, GQA, MQA). The module has no parameters.
 
-    - ``kv_cache=None``: plain SDPA over the inputs (causal, or masked by ``key_lens``).
-    - ``metadata.is_prefill``: SDPA over the inputs; their K/V are written to the cache with
-      ``reshape_and_cache`` at ``metadata.slot_mapping`` (padding skipped). Causal attention needs no
-      padding mask (a valid query never sees a later position, so SDPA's fastest causal kernels serve
-      ragged batches); non-causal attention masks keys past ``metadata.seq_lens``.
-    - decode (``q_len == 1``): the new K/V (if given) are written, then ``paged_attention`` over the cache.
+    - ``kv_cache=None``: plain SDPA over the inputs, right-padded for ragged batches (causal, or masked by
+      ``key_lens``). Outputs at padded query positions are finite but meaningless.
+    - With a cache, the step's new K/V (if given: a cross-attention step that only reads passes none) are
+      written with ``reshape_and_cache`` at ``metadata.slot_mapping``, one slot a token of ``key``
+      flattened, then the query attends over the cache with ``paged_attention``:
 
-    Outputs at padded query positions are finite but meaningless.
+      - a packed step (``metadata.query_start_loc`` set: a prefill, with or without a cached prefix, a
+        chunk, speculative tokens, a mix with decodes): the query's tokens, flattened (``[1, num_tokens,
+        ...]`` as the models pass them), are each sequence's tokens in turn, bottom-right causal or, with
+        ``causal=False``, attending to all of their sequence's keys;
+      - a decode step (no ``query_start_loc``): one token a sequence, ``q_len == 1``, the decode kernel.
 
-    Cross-attention is ``causal=False`` with its own cache: the encoder K/V are passed and written at
-    prefill (from ``prefill_metadata(seq_ids, encoder_lens)``), and decode steps pass ``key=value=None``
-    with ``decode_metadata(seq_ids, append=False)``.
+    Cross-attention is ``causal=False`` with its own cache: the encoder K/V are passed and written once
+    (``prefill_metadata(seq_ids, encoder_lens)``, with the decoder's ``query_start_loc`` for the queries of
+    that step), and later steps pass ``key=value=None`` with ``decode_metadata(seq_ids, append=False)``.
     """
 
     def __init__(self, num_heads: int, head_size: int, num_kv_heads: int | None = None, *,
@@ -45,6 +48,9 @@ class Attention(nn.Module):
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"Attention: num_kv_heads: expected a divisor of num_heads = {num_heads}, "
                              f"got {num_kv_heads}")
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                                  or not math.isfinite(scale)):
+            raise ValueError(f"Attention: scale: expected a finite number (or None), got {scale!r}")
         self.num_heads = num_heads
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads
@@ -69,14 +75,16 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Attend ``query`` to ``key``/``value`` or to the cache.
 
-        Returns ``[batch, q_len, num_heads * head_size]`` in query's dtype.
+        Returns query's ``[batch, seq, num_heads * head_size]`` in query's dtype.
 
         Args:
-            query: ``[batch, q_len, num_heads * head_size]``.
-            key, value: ``[batch, kv_len, num_kv_heads * head_size]``, or both None at a cross-attention
-                decode step (the K/V are already cached).
+            query: ``[batch, q_len, num_heads * head_size]``; at a packed step its tokens flattened are the
+                step's (``[1, num_tokens, ...]``).
+            key, value: ``[batch, kv_len, num_kv_heads * head_size]``, or both None at a cache step that
+                only reads (cross-attention over stored K/V). With a cache, their tokens flattened are the
+                step's new K/V, one per ``metadata.slot_mapping`` entry.
             kv_cache, layer_idx, metadata: the paged cache, this layer's index in it, and the step's
-                metadata from ``kv_cache.prefill_metadata`` / ``decode_metadata``.
+                metadata from ``kv_cache.step_metadata`` / ``prefill_metadata`` / ``decode_metadata``.
             key_lens: int ``[batch]``, valid keys per sequence (each at least 1), without a cache only. Causal
                 attention needs none for right padding: a valid query never sees a later position. With a
                 cache, the key lengths are ``metadata.seq_lens``.
@@ -95,8 +103,9 @@ class Attention(nn.Module):
             raise ValueError(f"Attention: key, value: expected both tensors or both None, got "
                              f"{type(key).__name__} and {type(value).__name__}")
         if key is not None:
-            self._check_hidden("key", key, self.num_kv_heads, batch)
-            self._check_hidden("value", value, self.num_kv_heads, batch)
+            # Without a cache a key row is a query row's sequence; with one, tokens are matched by slot.
+            self._check_hidden("key", key, self.num_kv_heads, None if kv_cache is not None else batch)
+            self._check_hidden("value", value, self.num_kv_heads, None if kv_cache is not None else batch)
             if key.shape != value.shape:
                 raise ValueError(f"Attention: value: expected shape {list(key.shape)} (that of key), got "
                                  f"{list(value.shape)}")
@@ -113,35 +122,27 @@ class Attention(nn.Module):
                              f"{layer_idx}")
         key_cache = kv_cache.key_caches[layer_idx]
         value_cache = kv_cache.value_caches[layer_idx]
-
-        if metadata.is_prefill:
-            if key is None:
-                raise ValueError("Attention: key, value: expected tensors at prefill, got None")
-            # [batch * kv_len, num_kv_heads, head_size]: views, the token stride stays that of the input.
-            reshape_and_cache(key.reshape(-1, self.num_kv_heads, self.head_size),
-                              value.reshape(-1, self.num_kv_heads, self.head_size),
-                              key_cache, value_cache, metadata.slot_mapping)
-            return self._sdpa(query, key, value, None if self.causal else metadata.seq_lens)
-
-        if q_len != 1:
+        if metadata.query_start_loc is None and q_len != 1:
             raise ValueError(f"Attention: query: expected q_len 1 at a decode step, got shape "
                              f"{list(query.shape)}")
         if key is not None:
-            if key.shape[1] != 1:
-                raise ValueError(f"Attention: key: expected kv_len 1 at a decode step, got shape "
-                                 f"{list(key.shape)}")
-            reshape_and_cache(key.reshape(batch, self.num_kv_heads, self.head_size),
-                              value.reshape(batch, self.num_kv_heads, self.head_size),
+            num_new = metadata.slot_mapping.shape[0]
+            if key.shape[0] * key.shape[1] != num_new:
+                raise ValueError(f"Attention: key: expected {num_new} tokens (one per slot_mapping entry), "
+                                 f"got shape {list(key.shape)}")
+            # [num_new, num_kv_heads, head_size]: views, the token stride stays that of the input.
+            reshape_and_cache(key.reshape(num_new, self.num_kv_heads, self.head_size),
+                              value.reshape(num_new, self.num_kv_heads, self.head_size),
                               key_cache, value_cache, metadata.slot_mapping)
-        # [batch, num_heads, head_size]: a view where the model's query is one (a slice of its fused q, k
-        # projection): the op takes any sequence and head strides, and a copy would be one more kernel a
+        # [batch * q_len, num_heads, head_size]: a view where the model's query is one (a slice of its fused
+        # q, k projection): the op takes any token and head strides, and a copy would be one more kernel a
         # layer in a compiled decode step (1.1 us on the H200). Only a strided last dimension is copied.
-        decode_query = query.reshape(batch, self.num_heads, self.head_size)
-        if decode_query.stride(-1) != 1:
-            decode_query = decode_query.contiguous()
-        out = paged_attention(decode_query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
-                              scale=self.scale)
-        return out.view(batch, 1, self.num_heads * self.head_size)
+        tokens = query.reshape(batch * q_len, self.num_heads, self.head_size)
+        if tokens.stride(-1) != 1:
+            tokens = tokens.contiguous()
+        out = paged_attention(tokens, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
+                              scale=self.scale, query_start_loc=metadata.query_start_loc, causal=self.causal)
+        return out.view(batch, q_len, self.num_heads * self.head_size)
 
     def _check_hidden(self, name: str, tensor: torch.Tensor, num_heads: int,
                       batch: int | None = None) -> None:
@@ -186,5 +187,12 @@ def _key_padding_mask(key_lens: torch.Tensor, batch: int, kv_len: int, device: t
     if key_lens.shape != (batch,) or key_lens.dtype.is_floating_point or key_lens.dtype == torch.bool:
         raise ValueError(f"Attention: key_lens: expected an int tensor of shape [{batch}], got "
                          f"{key_lens.dtype} of shape {list(key_lens.shape)}")
+    if key_lens.device.type == "cpu" and not torch.compiler.is_compiling():
+        # Free on the CPU: no key (NaN rows) or more keys than given (silently fewer) would be wrong.
+        bad = ((key_lens < 1) | (key_lens > kv_len)).nonzero()
+        if bad.numel():
+            i = int(bad[0, 0])
+            raise ValueError(f"Attention: key_lens[{i}]: expected a length in [1, {kv_len}] (kv_len), got "
+                             f"{int(key_lens[i])}")
     positions = torch.arange(kv_len, device=device)
     return (positions[None, :] < key_lens.to(device)[:, None])[:, None, None, :]

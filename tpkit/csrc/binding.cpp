@@ -133,10 +133,36 @@ std::map<std::string, int64_t> plan(const at::Tensor& query, const at::Tensor& k
   tpkit_paged_attention_args a{};
   fill_shapes(&a, query, key_cache, block_tables);
   check_launch(tpkit_paged_attention_plan(&a), "paged_attention planning");
+  // The attention grid as the launchers build it: (KV heads x row groups, partitions, sequences), clusters of
+  // cluster_size blocks along y.
   return {{"num_partitions", a.num_partitions}, {"partition_size", a.partition_size}, {"m_groups", a.m_groups},
-          {"warps_m", a.warps_m}, {"warps_n", a.warps_n}, {"slices", a.slices}, {"swizzled", a.swizzled},
-          {"wgmma", a.wgmma}, {"warpgroups", a.warpgroups}, {"num_stages", a.num_stages}, {"threads", a.threads},
-          {"smem_bytes", a.smem_bytes}, {"cluster_merge", a.cluster_merge}};
+          {"rows_per_cta", a.rows_per_cta}, {"warps_m", a.warps_m}, {"warps_n", a.warps_n}, {"slices", a.slices},
+          {"swizzled", a.swizzled}, {"wgmma", a.wgmma}, {"warpgroups", a.warpgroups}, {"num_stages", a.num_stages},
+          {"threads", a.threads}, {"smem_bytes", a.smem_bytes}, {"cluster_merge", a.cluster_merge},
+          {"grid_x", static_cast<int64_t>(a.num_kv_heads) * a.m_groups}, {"grid_y", a.num_partitions},
+          {"grid_z", a.num_seqs}, {"cluster_size", a.cluster_merge ? a.num_partitions : 1}};
+}
+
+// The launch limits of a device, read from the CUDA runtime (not through the planners' cached queries), for
+// tests that check plans against them.
+std::map<std::string, int64_t> device_limits(int64_t device) {
+  const std::pair<const char*, cudaDeviceAttr> attrs[] = {
+      {"max_grid_x", cudaDevAttrMaxGridDimX},
+      {"max_grid_y", cudaDevAttrMaxGridDimY},
+      {"max_grid_z", cudaDevAttrMaxGridDimZ},
+      {"max_threads_per_block", cudaDevAttrMaxThreadsPerBlock},
+      {"max_smem_per_block_optin", cudaDevAttrMaxSharedMemoryPerBlockOptin},
+      {"cluster_launch", cudaDevAttrClusterLaunch},
+      {"multiprocessors", cudaDevAttrMultiProcessorCount},
+      {"major", cudaDevAttrComputeCapabilityMajor},
+      {"minor", cudaDevAttrComputeCapabilityMinor}};
+  std::map<std::string, int64_t> limits;
+  for (const auto& [name, attr] : attrs) {
+    int value = 0;
+    check_launch(cudaDeviceGetAttribute(&value, attr, static_cast<int>(device)), "device_limits");
+    limits[name] = value;
+  }
+  return limits;
 }
 
 void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
@@ -486,6 +512,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("seq_lens"), py::arg("scale"), py::arg("alibi_slopes"));
   m.def("plan", &plan, "The launch configuration for these shapes: partitions, warps, stages, shared memory.",
         py::arg("query"), py::arg("key_cache"), py::arg("block_tables"));
+  m.def("device_limits", &device_limits, "The launch limits of a CUDA device (grid, block, shared memory, clusters).",
+        py::arg("device"));
   m.def("is_supported", &tpkit_paged_attention_supported_int,
         "Whether the kernels support (dtype code: 0 float16, 1 bfloat16, 2 float32; head_size; block_size).");
   m.def("supported_text", &tpkit_paged_attention_supported_text, "What the kernels support, in words.");

@@ -6,17 +6,20 @@ which slices the handle and so reads only this rank's bytes. Nothing here keeps 
 """
 
 from .checkpoint import resolve_checkpoint
-from .errors import CheckpointError, CheckpointNotFoundError, WeightsMismatchError
+from .errors import CheckpointError, CheckpointNotFoundError, PartialLoadError, WeightsMismatchError
 from .lazy_tensor import LazyTensor, bytes_read, reset_bytes_read
 from .load import default_weight_loader, load_weights
+from .weight_files import checkpoint_file
 from .weights import iter_weights
 
 __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
     "LazyTensor",
+    "PartialLoadError",
     "WeightsMismatchError",
     "bytes_read",
+    "checkpoint_file",
     "default_weight_loader",
     "iter_weights",
     "load_weights",

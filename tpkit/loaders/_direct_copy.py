@@ -22,13 +22,14 @@ from __future__ import annotations
 import collections
 import contextlib
 import mmap
-import os
 import threading
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+
+from tpkit._env import env_flag
 
 # Smaller parts (norms, biases) are not worth a registration.
 _MIN_BYTES = 2**20
@@ -70,8 +71,7 @@ _ACTIVE = _Active()
 
 def enabled() -> bool:
     """False where the environment sets ``TPKIT_LOAD_DMA`` to 0 (or false, no, off), or registering failed."""
-    setting = os.environ.get("TPKIT_LOAD_DMA", "").strip().lower()
-    return setting not in ("0", "false", "no", "off") and not _State.failed
+    return env_flag("TPKIT_LOAD_DMA", True) and not _State.failed
 
 
 def worth_it(dst: torch.Tensor, part: torch.Tensor) -> bool:

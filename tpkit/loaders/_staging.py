@@ -9,12 +9,13 @@ filled before. ``TPKIT_LOAD_PINNED=0`` in the environment turns this off.
 from __future__ import annotations
 
 import math
-import os
 import threading
 import warnings
 from collections.abc import Sequence
 
 import torch
+
+from tpkit._env import env_flag
 
 # (indices into the leading dimensions, start, length): the chunk ``tensor[index].narrow(0, start, length)``
 Chunk = tuple[tuple[int, ...], int, int]
@@ -56,7 +57,7 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> bool:
 
 def _staging_enabled() -> bool:
     """False where the environment sets ``TPKIT_LOAD_PINNED`` to 0 (or false, no, off)."""
-    return os.environ.get("TPKIT_LOAD_PINNED", "").strip().lower() not in ("0", "false", "no", "off")
+    return env_flag("TPKIT_LOAD_PINNED", True)
 
 
 def _worth_staging(dst: torch.Tensor, src: torch.Tensor) -> bool:

@@ -32,3 +32,17 @@ class WeightsMismatchError(ValueError):
                 lines.append(f"  {title}:")
                 lines.extend(f"    {item}" for item in items)
         super().__init__("\n".join(lines))
+
+
+class PartialLoadError(RuntimeError):
+    """Loading failed after some parameters were written: the model holds a mix of new and old values.
+
+    ``written`` of ``total`` checkpoint tensors were copied in before the failure (``__cause__``).
+    """
+
+    def __init__(self, written: int, total: int, error: BaseException) -> None:
+        self.written = written
+        self.total = total
+        super().__init__(f"load_weights failed after writing {written} of {total} checkpoint tensors: the "
+                         f"model is partially loaded (load it again, or build it anew): "
+                         f"{type(error).__name__}: {error}")

@@ -32,8 +32,10 @@ import torch.distributed as dist
 from torch import nn
 from tqdm.auto import tqdm
 
-from . import _direct_copy
-from .errors import WeightsMismatchError
+from tpkit._env import env_flag
+
+from . import _direct_copy, _safeguards
+from .errors import PartialLoadError, WeightsMismatchError
 from .lazy_tensor import LazyTensor, _GivenTensor, _MetaTensor, bytes_read
 
 __all__ = ["default_weight_loader", "load_weights"]
@@ -55,7 +57,7 @@ def default_weight_loader(param: torch.Tensor, loaded_weight: Weight) -> None:
 
     Raises ValueError, writing nothing, when the shapes differ or the dtype cannot be cast.
     """
-    problem = _fit_problem(param, loaded_weight)
+    problem = _safeguards.meta_problem("the parameter", param) or _fit_problem(param, loaded_weight)
     if problem is not None:
         raise ValueError(f"default_weight_loader: {problem}")
     with torch.no_grad():
@@ -101,8 +103,13 @@ def load_weights(
       safetensors file with direct copies on (``TPKIT_LOAD_DMA``), otherwise up to 4 (fewer on machines
       with fewer CPUs). 1 runs them in the calling thread.
 
-    Shapes, dtypes (values are cast to the parameter's dtype; a float tensor into an integer parameter is
-    refused), duplicates and, with ``strict``, names are all checked before the first parameter is written.
+    Shapes, dtypes (values are cast to the parameter's dtype; a float tensor into an integer parameter and an
+    integer or bool one into a float parameter are refused), targets on the meta device, duplicates, files
+    cut short since their headers were read and, with ``strict``, names are all checked before the first
+    parameter is written. A tied parameter's two names both in the checkpoint with different values untie
+    it where its module can (``untie_weights``, tpkit's LM head; with a warning, as transformers does), and
+    are an error elsewhere. A failure during the copies raises :class:`PartialLoadError`, saying how many
+    tensors were written; values a cast turns into inf (float64 into float16) a CheckpointError naming them.
     For that, each ``weight_loader`` is first called with a meta-device shadow of its parameter (same
     shape, dtype and attributes) and a meta stand-in for the tensor: a loader must write only through its
     ``param`` argument, and report a misfit as ValueError (or a torch shape error) there.
@@ -114,19 +121,24 @@ def load_weights(
     mapping = _parse_mapping(stacked_params_mapping)
     renamer = _parse_rename(rename)
     is_ignored = _parse_ignore(ignore)
-    targets = _targets(model)
-    plan = _Plan(targets, mapping)
+    entries = []
     for position, entry in enumerate(weights):
         checkpoint_name, weight = _check_entry(position, entry)
         if is_ignored(checkpoint_name):
             continue
         name = renamer(checkpoint_name)
         if name is not None:
-            plan.add(checkpoint_name, name, weight)
-    missing = plan.missing()
+            entries.append((checkpoint_name, name, weight))
+    plan = _Plan.of(model, mapping, entries)
+    missing = [_safeguards.tie_hint(model, name) for name in plan.missing()]
     if plan.problems or (strict and (missing or plan.unexpected)):
         raise WeightsMismatchError(plan.problems, missing if strict else [],
                                    plan.unexpected if strict else [])
+    if _safeguards.untie_differing_copies(model, plan.tied_copies):
+        plan = _Plan.of(model, mapping, entries)
+        if plan.problems:
+            raise WeightsMismatchError(plan.problems, [], [])
+    _safeguards.check_files_unchanged(load.weight for load in plan.loads)
     _execute(plan.loads, _show_progress(progress), num_threads or _default_num_threads(plan.loads))
     return {alias for load in plan.loads for alias in load.target.aliases}
 
@@ -165,7 +177,17 @@ class _Plan:
         self.loads: list[_Load] = []
         self.problems: list[str] = []
         self.unexpected: list[str] = []
+        self.tied_copies: list[tuple[_Load, _Load]] = []  # (a second name's load, the one placed)
         self._placed: dict[int, dict[ShardId, _Load]] = {}
+
+    @classmethod
+    def of(cls, model: nn.Module, mapping: list[tuple[_Components, _Components, ShardId]],
+           entries: list[tuple[str, str, Weight]]) -> _Plan:
+        """The plan of ``(checkpoint_name, renamed, weight)`` entries into ``model`` as it is now."""
+        plan = cls(_targets(model), mapping)
+        for checkpoint_name, name, weight in entries:
+            plan.add(checkpoint_name, name, weight)
+        return plan
 
     def add(self, checkpoint_name: str, name: str, weight: Weight) -> None:
         found = self._match(name)
@@ -176,8 +198,9 @@ class _Plan:
         load = _Load(checkpoint_name, target_name, shard, self.targets[target_name], weight)
         placed = self._placed.setdefault(id(load.target), {})
         if placed and all(p.name != target_name for p in placed.values()):
-            # Another name of the same tied parameter was already loaded: this copy adds nothing.
-            logger.debug("skipping %s: tied to %s", load.describe(), next(iter(placed.values())).name)
+            # Another name of the same tied parameter was already loaded: this copy adds nothing if it holds
+            # the same values (compared before anything is copied).
+            self.tied_copies.append((load, next(iter(placed.values()))))
             return
         if placed and (shard in placed or shard is None or None in placed):
             earlier = placed.get(shard) or next(iter(placed.values()))
@@ -222,14 +245,18 @@ class _Plan:
 def _pair_problem(load: _Load) -> str | None:
     """Why ``load.weight`` cannot go into its parameter, found without reading or writing any data."""
     param = load.target.tensor
+    meta = _safeguards.meta_problem(load.name, param)
+    if meta is not None:
+        return meta
     loader = getattr(param, "weight_loader", None)
     if loader is None:
         if load.shard is not None:
             return (f"{load.name} has no weight_loader to place loaded_shard_id {load.shard!r}; "
                     "stacked parameters need one")
         return _fit_problem(param, load.weight)
-    if not torch.can_cast(load.weight.dtype, param.dtype):
-        return f"dtype {load.weight.dtype} cannot be cast to the parameter's {param.dtype}"
+    cast = _safeguards.cast_problem(load.weight.dtype, param.dtype)
+    if cast is not None:
+        return cast
     shadow = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=False)  # [param.shape]
     shadow.__dict__.update(param.__dict__)
     stand_in = _MetaTensor(load.checkpoint_name, tuple(load.weight.shape), load.weight.dtype, None)
@@ -249,9 +276,7 @@ def _pair_problem(load: _Load) -> str | None:
 def _fit_problem(param: torch.Tensor, weight: Weight) -> str | None:
     if tuple(weight.shape) != tuple(param.shape):
         return f"expected shape {tuple(param.shape)}, received {tuple(weight.shape)}"
-    if not torch.can_cast(weight.dtype, param.dtype):
-        return f"dtype {weight.dtype} cannot be cast to the parameter's {param.dtype}"
-    return None
+    return _safeguards.cast_problem(weight.dtype, param.dtype)
 
 
 def _call_loader(loader: Callable, param: torch.Tensor, weight: Weight, shard: ShardId) -> None:
@@ -264,30 +289,42 @@ def _call_loader(loader: Callable, param: torch.Tensor, weight: Weight, shard: S
 def _execute(loads: list[_Load], show_progress: bool, num_threads: int) -> None:
     files = list(dict.fromkeys(load.file for load in loads if load.file is not None))
     start, read_before = time.perf_counter(), bytes_read()
-    with (tqdm(total=len(files), unit="file", desc="Loading checkpoint", disable=not show_progress) as bar,
-          _direct_copy.DirectCopies() as direct_copies, ThreadPoolExecutor(num_threads) as pool):
-        caller = _CallerState.capture(loads, direct_copies)
-        previous_file = None
-        for file, group in itertools.groupby(loads, key=lambda load: load.file):
-            by_target: dict[int, list[_Load]] = {}
-            for load in group:
-                by_target.setdefault(id(load.target), []).append(load)
-            if num_threads == 1:
-                for target_loads in by_target.values():
-                    _run_loads(target_loads, caller)
-            else:
-                futures = [pool.submit(_run_loads, target_loads, caller)
-                           for target_loads in by_target.values()]
-                wait(futures)  # every task of the file ends before the first failure is raised
-                for future in futures:
-                    future.result()
-            if file is not None:
-                # The file before is released only now, so that its last copies to a GPU overlap this
-                # file's first ones.
-                if previous_file is not None:
-                    direct_copies.release(previous_file)
-                previous_file = file
-                bar.update(1)
+    done: list[tuple[list[_Load], torch.Tensor | None]] = []  # each parameter's loads and overflow flag
+    try:
+        with (tqdm(total=len(files), unit="file", desc="Loading checkpoint",
+                   disable=not show_progress) as bar,
+              _direct_copy.DirectCopies() as direct_copies, ThreadPoolExecutor(num_threads) as pool):
+            caller = _CallerState.capture(loads, direct_copies)
+            previous_file = None
+            for file, group in itertools.groupby(loads, key=lambda load: load.file):
+                by_target: dict[int, list[_Load]] = {}
+                for load in group:
+                    by_target.setdefault(id(load.target), []).append(load)
+                if num_threads == 1:
+                    for target_loads in by_target.values():
+                        done.append((target_loads, _run_loads(target_loads, caller)))
+                else:
+                    futures = [(target_loads, pool.submit(_run_loads, target_loads, caller))
+                               for target_loads in by_target.values()]
+                    wait([future for _, future in futures])  # every task of the file ends before a failure
+                    done.extend((target_loads, future.result()) for target_loads, future in futures
+                                if future.exception() is None)
+                    for _, future in futures:
+                        future.result()
+                if file is not None:
+                    # The file before is released only now, so that its last copies to a GPU overlap this
+                    # file's first ones.
+                    if previous_file is not None:
+                        direct_copies.release(previous_file)
+                    previous_file = file
+                    bar.update(1)
+    except Exception as error:
+        raise PartialLoadError(sum(len(written) for written, _ in done), len(loads), error) from error
+    except BaseException as error:  # KeyboardInterrupt and the like go on as they are, with the count
+        error.add_note(f"load_weights stopped after writing {sum(len(written) for written, _ in done)} of "
+                       f"{len(loads)} checkpoint tensors: the model is partially loaded")
+        raise
+    _safeguards.check_overflow(done)
     seconds = time.perf_counter() - start
     nbytes = bytes_read() - read_before
     logger.info("rank %d: loaded %d tensors from %d files (%d thread(s)): %.3f GB read in %.2f s (%.2f GB/s)",
@@ -313,8 +350,9 @@ class _CallerState:
                             {device: torch.cuda.current_stream(device) for device in devices}, direct_copies)
 
 
-def _run_loads(loads: list[_Load], caller: _CallerState) -> None:
-    """One parameter's loads, in order, under the caller's state."""
+def _run_loads(loads: list[_Load], caller: _CallerState) -> torch.Tensor | None:
+    """One parameter's loads, in order, under the caller's state; where a cast narrows, a flag (a bool
+    tensor on the parameter's device) of whether the parameter now holds inf."""
     device = loads[0].target.tensor.device
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.inference_mode(caller.inference_mode))
@@ -327,6 +365,10 @@ def _run_loads(loads: list[_Load], caller: _CallerState) -> None:
         for load in loads:
             loader = getattr(load.target.tensor, "weight_loader", None) or default_weight_loader
             _call_loader(loader, load.target.tensor, load.weight, load.shard)
+        param = loads[0].target.tensor
+        if any(_safeguards.narrows(load.weight.dtype, param.dtype) for load in loads):
+            return torch.isinf(param).any()  # on the parameter's device, after its copies
+    return None
 
 
 def _num_threads(num_threads: int | None) -> int | None:
@@ -365,8 +407,7 @@ def _rank() -> int:
 
 def _show_progress(progress: bool | None) -> bool:
     if progress is None:
-        disabled = os.environ.get("TPKIT_DISABLE_PROGRESS", "").strip().lower()
-        progress = disabled not in ("1", "true", "yes", "on")
+        progress = not env_flag("TPKIT_DISABLE_PROGRESS", False)
     return progress and _rank() == 0
 
 

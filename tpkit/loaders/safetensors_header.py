@@ -2,6 +2,9 @@
 
 Layout: 8 bytes little-endian header length ``N``, ``N`` bytes of JSON (``{name: {"dtype", "shape",
 "data_offsets": [begin, end]}, "__metadata__": {...}}``), then the data; offsets count from the data start.
+What the safetensors library refuses is refused here too: a name given twice, a shape or offset that is not
+a non-negative integer (``true``, ``4.0``), ``__metadata__`` other than a string-to-string object, and data
+that the tensors do not cover exactly, back to back from the data start to the end of the file.
 """
 
 from __future__ import annotations
@@ -61,22 +64,55 @@ def read_header(file: Path) -> list[TensorEntry]:
     except OSError as error:
         raise CheckpointError(f"{file}: cannot read safetensors file: {error}") from error
     try:
-        header = json.loads(raw)
+        header = json.loads(raw, object_pairs_hook=_unique_keys)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise CheckpointError(f"{file}: corrupt safetensors header (not JSON): {error}") from error
+    except _DuplicateKey as duplicate:
+        raise CheckpointError(f"{file}: corrupt safetensors header: {duplicate.args[0]!r} is given twice"
+                              ) from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{file}: corrupt safetensors header: expected a JSON object, "
                               f"received {type(header).__name__}")
+    metadata = header.get("__metadata__")
+    if metadata is not None and not (isinstance(metadata, dict)
+                                     and all(isinstance(v, str) for v in metadata.values())):
+        raise CheckpointError(f"{file}: corrupt safetensors header: __metadata__: expected an object of "
+                              f"strings, received {metadata!r}")
     data_start = 8 + header_len
     data_size = size - data_start
     entries = [_entry(file, name, info, data_start, data_size)
                for name, info in header.items() if name != "__metadata__"]
-    entries.sort(key=lambda e: e.data_start)
-    for before, after in zip(entries, entries[1:], strict=False):
-        if after.data_start < before.data_start + before.nbytes:
-            raise CheckpointError(f"{file}: corrupt safetensors header: tensors {before.name!r} and "
-                                  f"{after.name!r} overlap")
+    entries.sort(key=lambda e: (e.data_start, e.nbytes))
+    covered = data_start
+    for entry in entries:
+        if entry.data_start != covered:
+            what = "overlaps the tensor before it" if entry.data_start < covered else "leaves a gap before it"
+            raise CheckpointError(f"{file}: corrupt safetensors header: tensor {entry.name!r} starts at data "
+                                  f"byte {entry.data_start - data_start}, where the tensors before end at "
+                                  f"{covered - data_start}: it {what}")
+        covered += entry.nbytes
+    if covered != size:
+        raise CheckpointError(f"{file}: corrupt safetensors file: its tensors end at data byte "
+                              f"{covered - data_start}, the file holds {data_size} bytes of data")
     return entries
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """A JSON object's pairs as a dict, refusing a key given twice (json keeps the last silently)."""
+    out: dict[str, object] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def _is_index(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _entry(file: Path, name: str, info: object, data_start: int, data_size: int) -> TensorEntry:
@@ -86,12 +122,13 @@ def _entry(file: Path, name: str, info: object, data_start: int, data_size: int)
     if dtype_name not in _DTYPES:
         raise CheckpointError(f"{file}: tensor {name!r} has dtype {dtype_name!r}; supported: "
                               f"{', '.join(sorted(_DTYPES))}")
-    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
-        raise CheckpointError(f"{file}: corrupt safetensors header: tensor {name!r} has shape {shape!r}")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
-            and 0 <= offsets[0] <= offsets[1]):
-        raise CheckpointError(f"{file}: corrupt safetensors header: tensor {name!r} has data_offsets "
-                              f"{offsets!r}")
+    if not (isinstance(shape, list) and all(_is_index(d) for d in shape)):
+        raise CheckpointError(f"{file}: corrupt safetensors header: tensor {name!r}: expected a shape of "
+                              f"non-negative ints, received {shape!r}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_index(o) for o in offsets)
+            and offsets[0] <= offsets[1]):
+        raise CheckpointError(f"{file}: corrupt safetensors header: tensor {name!r}: expected data_offsets "
+                              f"[begin, end] of ints, 0 <= begin <= end, received {offsets!r}")
     dtype = _DTYPES[dtype_name]
     begin, end = offsets
     nbytes = math.prod(shape) * dtype.itemsize

@@ -3,6 +3,11 @@
 Safetensors first: ``model.safetensors.index.json`` (sharded), ``model.safetensors``, any other top-level
 ``*.safetensors``. Only without those, PyTorch pickles loaded with ``weights_only=True``:
 ``pytorch_model.bin.index.json``, ``pytorch_model.bin``, any top-level ``*.bin``, ``*.pt`` or ``*.pth``.
+
+Every file read from a checkpoint directory must resolve (symbolic links followed) to a file inside it, or,
+for a snapshot of the Hugging Face hub cache (``models--org--name/snapshots/<commit>``, whose files are
+links into ``models--org--name/blobs``), inside that model's storage directory: a link to any other file is
+refused, as is an index entry that names one.
 """
 
 from __future__ import annotations
@@ -46,6 +51,33 @@ def choose_weight_files(names: Iterable[str]) -> WeightFileChoice | None:
         if others:
             return WeightFileChoice(None, others)
     return None
+
+
+def _allowed_root(directory: Path) -> Path:
+    """Where the files of checkpoint ``directory`` may resolve to: itself, or a hub snapshot's storage."""
+    resolved = directory.resolve()
+    snapshots = resolved.parent
+    if snapshots.name == "snapshots" and snapshots.parent.name.startswith("models--"):
+        return snapshots.parent
+    return resolved
+
+
+def check_inside(file: Path, directory: Path) -> Path:
+    """``file`` of checkpoint ``directory``, refused (CheckpointError) where it resolves outside the files
+    the checkpoint may use (module docstring)."""
+    root = _allowed_root(directory)
+    target = file.resolve()
+    if not target.is_relative_to(root):
+        raise CheckpointError(f"{file} resolves to {target}, outside the checkpoint directory {root}: a "
+                              "checkpoint's files, and the links among them, must stay inside it")
+    return file
+
+
+def checkpoint_file(directory: Path, name: str) -> Path | None:
+    """The file ``name`` of checkpoint ``directory`` (config.json, say), checked as the weight files are;
+    None where there is none."""
+    file = directory / name
+    return check_inside(file, directory) if file.is_file() else None
 
 
 def is_safetensors(file: Path | str) -> bool:
@@ -93,8 +125,8 @@ def find_weight_files(path: Path) -> tuple[list[Path], dict[str, Path] | None]:
     if choice is None:
         raise CheckpointNotFoundError(f"no weight files in {path}: searched for {SEARCHED}")
     if choice.index is not None:
-        return _indexed_files(path / choice.index)
-    return [path / name for name in choice.files], None
+        return _indexed_files(check_inside(path / choice.index, path))
+    return [check_inside(path / name, path) for name in choice.files], None
 
 
 def _indexed_files(index_file: Path) -> tuple[list[Path], dict[str, Path]]:
@@ -104,4 +136,5 @@ def _indexed_files(index_file: Path) -> tuple[list[Path], dict[str, Path]]:
         if not file.is_file():
             raise CheckpointNotFoundError(f"{index_file} lists {file.relative_to(index_file.parent)}, which "
                                           f"is not in {index_file.parent}")
+        check_inside(file, index_file.parent)
     return files, placement

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tpkit.loaders import CheckpointError, iter_weights, resolve_checkpoint
+from tpkit.loaders import CheckpointError, checkpoint_file, iter_weights, resolve_checkpoint
 from tpkit.models.bart import BartForConditionalGeneration
 from tpkit.models.generation import PagedLM, parse_eos_token_ids
 from tpkit.models.gpt_bigcode import GPTBigCodeForCausalLM
@@ -58,7 +58,7 @@ def from_pretrained(name_or_path: str | os.PathLike, *, dtype: torch.dtype | str
     if dtype is not None and not isinstance(dtype, (torch.dtype, str)):
         raise TypeError(f"dtype must be a torch.dtype, a dtype name or None, got {type(dtype).__name__}")
     path = resolve_checkpoint(name_or_path, revision=revision, cache_dir=cache_dir)
-    config = _read_json(path / "config.json")
+    config = _read_json(path, "config.json")
     if config is None:
         raise CheckpointError(f"{path} has no config.json")
     cls = model_class(config)
@@ -68,12 +68,16 @@ def from_pretrained(name_or_path: str | os.PathLike, *, dtype: torch.dtype | str
     with skip_init():
         model = cls(config, dtype=dtype, device=device, tp_group=tp_group,
                     sequence_parallel=sequence_parallel)
-    generation_config = _read_json(path / "generation_config.json") or {}
+    generation_config = _read_json(path, "generation_config.json") or {}
     if generation_config.get("eos_token_id") is not None:
         model.eos_token_ids = parse_eos_token_ids(generation_config["eos_token_id"])
     if isinstance(model, BartForConditionalGeneration):
-        if generation_config.get("decoder_start_token_id") is not None:
-            model.decoder_start_token_id = generation_config["decoder_start_token_id"]
+        start = generation_config.get("decoder_start_token_id")
+        if start is not None:
+            if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < model.vocab_size:
+                raise CheckpointError(f"{path / 'generation_config.json'}: decoder_start_token_id: expected "
+                                      f"a token id in [0, {model.vocab_size}), got {start!r}")
+            model.decoder_start_token_id = start
         for key in ("forced_bos_token_id", "forced_eos_token_id"):
             if key in generation_config:  # null there turns config.json's off, as in transformers
                 setattr(model, key, generation_config[key])
@@ -81,13 +85,17 @@ def from_pretrained(name_or_path: str | os.PathLike, *, dtype: torch.dtype | str
     return model.eval()
 
 
-def _read_json(file: Path) -> dict[str, Any] | None:
-    if not file.is_file():
+def _read_json(path: Path, name: str) -> dict[str, Any] | None:
+    file = checkpoint_file(path, name)
+    if file is None:
         return None
     try:
-        return json.loads(file.read_text())
-    except json.JSONDecodeError as error:
+        value = json.loads(file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise CheckpointError(f"{file} is not valid JSON: {error}") from error
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{file}: expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _as_dtype(value: torch.dtype | str | None) -> torch.dtype:

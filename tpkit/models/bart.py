@@ -15,6 +15,7 @@ In training, dropout (``dropout``, ``attention_dropout``, ``activation_dropout``
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -25,8 +26,9 @@ from torch import nn
 from tpkit.attention import Attention, AttentionMetadata, PagedKVCache
 from tpkit.loaders import load_weights
 from tpkit.models.activations import get_activation
+from tpkit.models.config_checks import BART, check_config
 from tpkit.models.dropout import attend
-from tpkit.models.generation import PagedLM, parse_eos_token_ids, right_pad
+from tpkit.models.generation import PagedLM, check_input_ids, parse_eos_token_ids, right_pad
 from tpkit.models.sequence_parallel import check_sequence_parallel, exit_sequence_parallel, mark_norms
 from tpkit.ops import decode_linear
 from tpkit.parallel_layers import (
@@ -201,6 +203,9 @@ class BartForConditionalGeneration(PagedLM):
                  device: torch.device | str | None = None, tp_group: Any = None,
                  sequence_parallel: bool = False) -> None:
         super().__init__()
+        check_config("BartForConditionalGeneration", config, BART, dtype=dtype, device=device,
+                     tp_group=tp_group, sequence_parallel=sequence_parallel,
+                     vocab_keys=("decoder_start_token_id", "forced_bos_token_id", "forced_eos_token_id"))
         if config.get("normalize_before", False) or config.get("add_final_layer_norm", False):
             raise ValueError("pre-norm BART variants (normalize_before / add_final_layer_norm, e.g. mBART) "
                              "are not supported")
@@ -270,6 +275,11 @@ class BartForConditionalGeneration(PagedLM):
     def forward(self, input_ids: torch.Tensor, decoder_input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids ``[batch, src_len]``, decoder_input_ids ``[batch, tgt_len]`` -> logits
         ``[batch, tgt_len, vocab]``, no cache."""
+        check_input_ids("input_ids", input_ids, self.max_positions, "max_position_embeddings")
+        check_input_ids("decoder_input_ids", decoder_input_ids, self.max_positions, "max_position_embeddings")
+        if decoder_input_ids.shape[0] != input_ids.shape[0]:
+            raise ValueError(f"decoder_input_ids: expected the batch of input_ids, {input_ids.shape[0]}, got "
+                             f"{decoder_input_ids.shape[0]}")
         positions = torch.arange(decoder_input_ids.shape[1], device=decoder_input_ids.device)
         positions = positions.expand_as(decoder_input_ids)
         hidden = self.decode(decoder_input_ids, positions, self.encode(input_ids))
@@ -290,16 +300,42 @@ class BartForConditionalGeneration(PagedLM):
                              "positions (max_position_embeddings)")
         return {"self": [max_new_tokens] * len(prompt_lens), "cross": list(prompt_lens)}
 
-    def _prefill(self, prompts: list[list[int]], caches: Mapping[str, PagedKVCache]) -> torch.Tensor:
-        batch, device = len(prompts), self.device
-        prompt_lens = [len(ids) for ids in prompts]
-        encoder_states = self.encode(right_pad(prompts, device), torch.tensor(prompt_lens, device=device))
-        metadata = {"self": caches["self"].prefill_metadata(range(batch), [1] * batch),
-                    "cross": caches["cross"].prefill_metadata(range(batch), prompt_lens)}
-        start = torch.full((batch, 1), self.decoder_start_token_id, dtype=torch.int64, device=device)
-        positions = torch.zeros(batch, 1, dtype=torch.int64, device=device)
-        hidden = self.decode(start, positions, encoder_states, caches, metadata)  # [batch, 1, d_model]
-        return self.compute_logits(hidden[:, 0])
+    def _prefill(self, prompts: list[list[int]], caches: Mapping[str, PagedKVCache],
+                 prefix_caching: bool = False, max_prefill_tokens: int | None = None) -> torch.Tensor:
+        start = self.decoder_start_token_id
+        if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < self.vocab_size:
+            raise ValueError(f"generate: decoder_start_token_id: expected a token id in "
+                             f"[0, {self.vocab_size}), got {start!r}")
+        # The decoder's prompt is its start token alone, shorter than a block: the prefix cache has nothing
+        # to share. A step runs at most max_prefill_tokens of them, each with its sequence's encoder pass.
+        group = max_prefill_tokens or len(prompts)
+        return torch.cat([self._prefill_group(prompts, range(first, min(first + group, len(prompts))), caches)
+                          for first in range(0, len(prompts), group)])
+
+    def _prefill_group(self, prompts: list[list[int]], seq_ids: range,
+                       caches: Mapping[str, PagedKVCache]) -> torch.Tensor:
+        """The encoder over the prompts of ``seq_ids``, their K/V into the cross cache, and the decoder's
+        start tokens: one packed step. Logits of the first new tokens ``[len(seq_ids), vocab]``."""
+        device, batch = self.device, len(seq_ids)
+        prompt_lens = [len(prompts[i]) for i in seq_ids]
+        encoder_states = self.encode(right_pad([prompts[i] for i in seq_ids], device),
+                                     torch.tensor(prompt_lens, device=device))  # [batch, src_len, d_model]
+        # The encoder's tokens packed (padding dropped), one per slot of the cross cache's prefill:
+        # [1, sum(prompt_lens), d_model].
+        src_len = encoder_states.shape[1]
+        index = [i * src_len + j for i, n in enumerate(prompt_lens) for j in range(n)]
+        encoder_tokens = encoder_states.flatten(0, 1)[torch.tensor(index, device=device)][None]
+        self_metadata = caches["self"].prefill_metadata(seq_ids, [1] * batch)
+        # Cross-attention's queries are the decoder's tokens: self-attention's query layout, over the
+        # encoder's keys.
+        cross_metadata = dataclasses.replace(caches["cross"].prefill_metadata(seq_ids, prompt_lens),
+                                             query_lens=self_metadata.query_lens,
+                                             query_start_loc=self_metadata.query_start_loc)
+        start = torch.full((1, batch), self.decoder_start_token_id, dtype=torch.int64, device=device)
+        positions = torch.zeros(1, batch, dtype=torch.int64, device=device)
+        hidden = self.decode(start, positions, encoder_tokens, caches,
+                             {"self": self_metadata, "cross": cross_metadata})  # [1, batch, d_model]
+        return self.compute_logits(hidden[0])
 
     def _decode_metadata(self, caches: Mapping[str, PagedKVCache], seq_ids: Sequence[int],
                          max_blocks: Mapping[str, int] | None = None) -> dict[str, AttentionMetadata]:
@@ -322,6 +358,13 @@ class BartForConditionalGeneration(PagedLM):
                   "model.encoder.version", "model.decoder.version"]
         return load_weights(self, self._final_logits_bias_as_head_bias(weights), self.stacked_params_mapping,
                             rename=lambda name: name.removeprefix("model."), ignore=ignore)
+
+    def export_weights(self, weights: Iterable[tuple[str, torch.Tensor]]
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The LM head's bias back as transformers' ``final_logits_bias`` ``[1, vocab]``; the rest as
+        :meth:`PagedLM.export_weights`."""
+        for name, tensor in super().export_weights(weights):
+            yield ("final_logits_bias", tensor[None]) if name == "lm_head.bias" else (name, tensor)
 
     def _final_logits_bias_as_head_bias(self, weights: Iterable[tuple[str, Any]]
                                         ) -> Iterator[tuple[str, Any]]:

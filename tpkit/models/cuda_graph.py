@@ -37,7 +37,6 @@ class StaticDecodeStep:
         # Every row starts as padding: no slot written, nothing attended.
         self.metadata = {
             name: AttentionMetadata(
-                is_prefill=False,
                 slot_mapping=torch.full((batch,), -1, dtype=torch.int64, device=device),
                 block_tables=torch.zeros(batch, width, dtype=torch.int32, device=device),
                 seq_lens=torch.zeros(batch, dtype=torch.int32, device=device),
@@ -74,8 +73,10 @@ class DecodeGraph(StaticDecodeStep):
                  pool: Any = None) -> None:
         super().__init__(step, batch, max_blocks, device)
         # Warm up and capture with every row padding, so neither touches the cache. The warm-up runs on a
-        # side stream, as capture requires, and does the lazy initialisation (cuBLAS workspaces, NCCL
-        # communicators, kernel builds) outside the graph.
+        # side stream, as capture requires, and does the lazy initialisation (kernel builds, NCCL
+        # communicators) outside the graph. The capture runs on that same stream: state kept per stream,
+        # such as cuBLAS's workspace, then exists before the capture, rather than being allocated inside it
+        # from the graph's pool and outliving the graph there.
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
@@ -84,7 +85,7 @@ class DecodeGraph(StaticDecodeStep):
                 step(self.input_ids, self.metadata)
         torch.cuda.current_stream(device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        with torch.cuda.graph(self.graph, pool=pool, stream=stream):
             self.out = step(self.input_ids, self.metadata)  # [batch, ...]
 
     def _run(self) -> torch.Tensor:

@@ -23,6 +23,7 @@ from torch import nn
 from tpkit.attention import Attention, AttentionMetadata, PagedKVCache
 from tpkit.loaders import load_weights
 from tpkit.models.activations import get_activation
+from tpkit.models.config_checks import GPT_BIGCODE, check_config
 from tpkit.models.dropout import attend
 from tpkit.models.generation import PagedDecoderOnlyLM, parse_eos_token_ids
 from tpkit.models.sequence_parallel import check_sequence_parallel, exit_sequence_parallel, mark_norms
@@ -99,6 +100,7 @@ class GPTBigCodeBlock(nn.Module):
 class GPTBigCodeForCausalLM(PagedDecoderOnlyLM):
     """GPT-BigCode from a HuggingFace config.json dict, this rank's shard of it (embeddings tied)."""
 
+    max_positions_key = "n_positions"
     # Without multi_query, c_attn is split into these three names while loading (see load_weights).
     stacked_params_mapping = (
         ("c_attn", "c_attn_q", "q"),
@@ -106,10 +108,14 @@ class GPTBigCodeForCausalLM(PagedDecoderOnlyLM):
         ("c_attn", "c_attn_v", "v"),
     )
 
+    checkpoint_prefix = "transformer."
+
     def __init__(self, config: Mapping[str, Any], *, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, tp_group: Any = None,
                  sequence_parallel: bool = False) -> None:
         super().__init__()
+        check_config("GPTBigCodeForCausalLM", config, GPT_BIGCODE, dtype=dtype, device=device,
+                     tp_group=tp_group, sequence_parallel=sequence_parallel)
         if config.get("add_cross_attention", False):
             raise ValueError("add_cross_attention=True (GPT-BigCode as a decoder with cross-attention) is "
                              "not supported")
@@ -183,3 +189,28 @@ class GPTBigCodeForCausalLM(PagedDecoderOnlyLM):
             per_head = full.view(-1, 3, head_size, *full.shape[1:])
             for i, shard in enumerate("qkv"):
                 yield f"{module}_{shard}.{kind}", per_head[:, i].reshape(-1, *full.shape[1:])
+
+    def export_weights(self, weights: Iterable[tuple[str, torch.Tensor]]
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+        """``c_attn_q``, ``c_attn_k``, ``c_attn_v`` fused back into ``c_attn`` (``[q; k; v]`` with
+        multi_query, else interleaved per head: the inverse of :meth:`load_weights`); the rest as
+        :meth:`PagedLM.export_weights`."""
+        return super().export_weights(self._fuse_c_attn(weights))
+
+    def _fuse_c_attn(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        parts: dict[str, torch.Tensor] = {}
+        for name, tensor in weights:
+            module, _, kind = name.rpartition(".")
+            if not module.endswith(("attn.c_attn_q", "attn.c_attn_k", "attn.c_attn_v")):
+                yield name, tensor
+                continue
+            parts[module[-1]] = tensor
+            if len(parts) < 3:
+                continue
+            q, k, v = parts.pop("q"), parts.pop("k"), parts.pop("v")
+            if self.multi_query:
+                fused = torch.cat([q, k, v])
+            else:  # [num_heads, 3, head_size, ...] -> [num_heads * 3 * head_size, ...]
+                per_head = [t.view(-1, self.head_size, *t.shape[1:]) for t in (q, k, v)]
+                fused = torch.stack(per_head, dim=1).reshape(-1, *q.shape[1:])
+            yield f"{module[:-2]}.{kind}", fused

@@ -27,6 +27,7 @@ from torch import nn
 from tpkit.attention import Attention, AttentionMetadata, PagedKVCache
 from tpkit.loaders import load_weights
 from tpkit.models.activations import get_activation
+from tpkit.models.config_checks import LLAMA, check_config
 from tpkit.models.dropout import attend
 from tpkit.models.fused_decode import fused_decode_applies, fused_decode_step
 from tpkit.models.generation import PagedDecoderOnlyLM, parse_eos_token_ids
@@ -133,6 +134,8 @@ class LlamaForCausalLM(PagedDecoderOnlyLM):
                  device: torch.device | str | None = None, tp_group: Any = None,
                  sequence_parallel: bool = False) -> None:
         super().__init__()
+        check_config("LlamaForCausalLM", config, LLAMA, dtype=dtype, device=device, tp_group=tp_group,
+                     sequence_parallel=sequence_parallel)
         architectures = config.get("architectures") or ()
         is_qwen2 = config.get("model_type") == "qwen2" or "Qwen2ForCausalLM" in architectures
         if is_qwen2 and config.get("use_sliding_window", False):

@@ -14,14 +14,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tpkit.parallel_layers import TPGroup, gather_from_sequence_parallel_region, mark_sequence_parallel
+from tpkit.parallel_layers import (
+    TPGroup,
+    check_ranks_agree,
+    gather_from_sequence_parallel_region,
+    mark_sequence_parallel,
+)
 
 NO_GENERATION = ("a model built with sequence_parallel=True runs full forwards only (training): generate "
                  "with a model built without it")
 
 
 def check_sequence_parallel(input_ids: torch.Tensor, tp: TPGroup, has_cache: bool) -> None:
-    """Before the embeddings split ``input_ids`` ``[batch, seq]``'s tokens over the ranks."""
+    """Before the embeddings split ``input_ids`` ``[batch, seq]``'s tokens over the ranks: every rank must
+    pass the same shape (checked outside ``torch.compile``: collectives of different sizes would abort)."""
+    if not torch.compiler.is_compiling():
+        check_ranks_agree("sequence-parallel forward", tp, input_ids_shape=list(input_ids.shape))
     if has_cache:
         raise ValueError(NO_GENERATION)
     if input_ids.shape[1] % tp.size:

@@ -3,9 +3,9 @@ what was received, and reads no device memory."""
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from tpkit._env import env_flag
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _HALF_DTYPES = (torch.float16, torch.bfloat16)  # what the decode linear and element-wise kernels take
@@ -13,7 +13,7 @@ _HALF_DTYPES = (torch.float16, torch.bfloat16)  # what the decode linear and ele
 
 def _debug_enabled() -> bool:
     """``TPKIT_DEBUG=1``: the ops also check the values of their index tensors (a host synchronisation)."""
-    return os.environ.get("TPKIT_DEBUG", "") not in ("", "0")
+    return env_flag("TPKIT_DEBUG", False)
 
 
 def _check_tensor(op: str, name: str, tensor: object, *, dim: int, dtypes: tuple[torch.dtype, ...]) -> None:

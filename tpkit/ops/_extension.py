@@ -45,6 +45,7 @@ _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 _lock = threading.Lock()
 _modules: dict[tuple[int, int], ModuleType | None] = {}
 _warned = False
+_warned_multitoken = False
 
 
 def extension_name(capability: tuple[int, int]) -> str:
@@ -123,6 +124,20 @@ def _warn_once(reason: str) -> None:
     )
 
 
+def _warn_multitoken_once() -> None:
+    global _warned_multitoken
+    if _warned_multitoken:
+        return
+    _warned_multitoken = True
+    warnings.warn(
+        "tpkit: paged_attention with query_start_loc (several query tokens a sequence: prefill, chunks, "
+        "speculative tokens) has no CUDA kernel yet; it runs the PyTorch implementation on the GPU, which is "
+        "correct but far slower than the one-token decode kernel.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
 def _find_module(capability: tuple[int, int]) -> ModuleType | None:
     from torch.utils.cpp_extension import CUDA_HOME
 
@@ -161,6 +176,8 @@ def paged_attention(
     seq_lens: torch.Tensor,
     scale: float,
     alibi_slopes: torch.Tensor | None,
+    query_start_loc: torch.Tensor | None = None,
+    causal: bool = True,
 ) -> bool:
     """Runs the CUDA decode-attention kernel into ``out``; False when no kernel is available here.
 
@@ -169,7 +186,13 @@ def paged_attention(
     ``[num_seqs, max_blocks_per_seq]``; seq_lens int32 ``[num_seqs]``; alibi_slopes float32 ``[num_heads]``
     or None. Raises ValueError for a configuration the kernel does not support (the message lists what
     is). No host synchronisation and no allocation that depends on values: safe in CUDA graphs.
+
+    With ``query_start_loc`` (several query tokens a sequence) there is no kernel yet: False, after a
+    warning (once) that the PyTorch implementation runs on the GPU instead.
     """
+    if query_start_loc is not None:
+        _warn_multitoken_once()
+        return False
     module = _module_for(query.device)
     if module is None:
         return False
@@ -201,9 +224,20 @@ def reshape_and_cache(
 def launch_plan(query: torch.Tensor, key_cache: torch.Tensor,
                 block_tables: torch.Tensor) -> dict[str, int] | None:
     """The kernel's launch configuration for these shapes (split-K partitions, warps, pipeline stages,
-    shared memory), as benchmarks report it; None when no kernel is available here."""
+    shared memory, and the attention grid: ``grid_x``, ``grid_y``, ``grid_z``, ``cluster_size``), as
+    benchmarks report it; None when no kernel is available here. Planning reads only the shapes (and
+    the device), so expanded (stride 0) tensors of any size serve."""
     module = _module_for(query.device)
     return None if module is None else dict(module.plan(query, key_cache, block_tables))
+
+
+def device_limits(device: torch.device) -> dict[str, int] | None:
+    """The CUDA device's launch limits that plans must respect (``max_grid_x/y/z``,
+    ``max_threads_per_block``, ``max_smem_per_block_optin``, ``cluster_launch``, ``multiprocessors``,
+    ``major``, ``minor``), read from the CUDA runtime; None when no kernel is available here."""
+    module = _module_for(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return None if module is None else dict(module.device_limits(index))
 
 
 def decode_linear(

@@ -6,18 +6,25 @@ the CPU and on any device without a kernel of its own; a CUDA implementation tha
 built; and a fake implementation, so both run under ``torch.compile`` and in CUDA graphs.
 
 Arguments are validated inside every implementation (fake included, so ``torch.compile`` reports bad
-shapes while tracing) without reading device memory. With the environment variable ``TPKIT_DEBUG=1`` the
-real implementations also check the contents of ``block_tables``, ``seq_lens`` and ``slot_mapping``,
-which synchronises with the device.
+shapes while tracing) without reading device memory. The contents of ``block_tables``, ``seq_lens``,
+``query_start_loc`` and ``slot_mapping`` are checked too where that is free, on CPU tensors, and on other
+devices with the environment variable ``TPKIT_DEBUG=1`` (which synchronises with the device).
 """
 
 import math
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from tpkit.ops._checks import _FLOAT_DTYPES, _check_devices, _check_same, _check_tensor
 from tpkit.ops._library import _define_op
 from tpkit.ops.paged_attention_reference import paged_attention_reference, reshape_and_cache_reference
+
+
+def _contents_free(tensor: torch.Tensor) -> bool:
+    """A CPU tensor's contents are read without waiting for a device: always checked (a tracing fake tensor
+    has none)."""
+    return tensor.device.type == "cpu" and not isinstance(tensor, FakeTensor)
 
 
 def _check_caches(op: str, key_cache: torch.Tensor, value_cache: torch.Tensor, dtype: torch.dtype) -> None:
@@ -36,13 +43,19 @@ def _check_paged_attention(
     seq_lens: torch.Tensor,
     scale: float,
     alibi_slopes: torch.Tensor | None,
+    query_start_loc: torch.Tensor | None = None,
+    causal: bool = True,
     *,
     read_values: bool = False,
 ) -> None:
-    """Shapes, dtypes, devices and strides; with ``read_values`` also the contents of the tables (a sync)."""
+    """Shapes, dtypes, devices and strides; with ``read_values`` also the contents of the tables (a sync).
+    ``query_start_loc``'s contents are read with ``read_values`` or where it is a real CPU tensor."""
     op = "paged_attention"
     _check_tensor(op, "query", query, dim=3, dtypes=_FLOAT_DTYPES)
-    num_seqs, num_heads, head_size = query.shape
+    num_rows, num_heads, head_size = query.shape
+    # One query token a sequence, or sequences (as many as block_tables has rows) owning ranges of tokens.
+    num_seqs = num_rows if query_start_loc is None else block_tables.shape[0]
+    seqs_shape = "shape [num_seqs]" if query_start_loc is None else "shape [num_seqs] (that of block_tables)"
     _check_tensor(op, "out", out, dim=3, dtypes=(query.dtype,))
     _check_same(op, "out", "shape", list(query.shape), list(out.shape))
     _check_caches(op, key_cache, value_cache, query.dtype)
@@ -54,16 +67,28 @@ def _check_paged_attention(
     _check_tensor(op, "block_tables", block_tables, dim=2, dtypes=(torch.int32,))
     _check_same(op, "block_tables", "num_seqs (dim 0, that of query)", num_seqs, block_tables.shape[0])
     _check_tensor(op, "seq_lens", seq_lens, dim=1, dtypes=(torch.int32,))
-    _check_same(op, "seq_lens", "shape [num_seqs]", [num_seqs], list(seq_lens.shape))
+    _check_same(op, "seq_lens", seqs_shape, [num_seqs], list(seq_lens.shape))
+    if not math.isfinite(scale):
+        raise ValueError(f"{op}: scale: expected a finite float, got {scale}")
     tensors = dict(out=out, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
                    seq_lens=seq_lens)
+    if query_start_loc is not None:
+        _check_tensor(op, "query_start_loc", query_start_loc, dim=1, dtypes=(torch.int32,))
+        _check_same(op, "query_start_loc", "shape [num_seqs + 1] (num_seqs that of block_tables)",
+                    [num_seqs + 1], list(query_start_loc.shape))
+        if num_seqs == 0 and num_rows > 0:
+            raise ValueError(f"{op}: query: expected no tokens (num_tokens 0) for no sequences (block_tables "
+                             f"has 0 rows), got shape {list(query.shape)}")
+        tensors["query_start_loc"] = query_start_loc
     if alibi_slopes is not None:
         _check_tensor(op, "alibi_slopes", alibi_slopes, dim=1, dtypes=(torch.float32,))
         _check_same(op, "alibi_slopes", "shape [num_heads]", [num_heads], list(alibi_slopes.shape))
         tensors["alibi_slopes"] = alibi_slopes
     _check_devices(op, "query", query, **tensors)
-    if read_values:
+    if read_values or _contents_free(block_tables):
         _check_table_values(key_cache, block_tables, seq_lens)
+    if query_start_loc is not None and (read_values or _contents_free(query_start_loc)):
+        _check_query_start_loc_values(query_start_loc, seq_lens, num_rows)
 
 
 def _check_table_values(key_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
@@ -73,14 +98,41 @@ def _check_table_values(key_cache: torch.Tensor, block_tables: torch.Tensor, seq
     if bad_lens.numel():
         i = int(bad_lens[0, 0])
         raise ValueError(f"paged_attention: seq_lens[{i}]: expected a length in [0, {capacity}] (the "
-                         f"capacity of block_tables), got {int(seq_lens[i])} (TPKIT_DEBUG check)")
+                         f"capacity of block_tables), got {int(seq_lens[i])}")
     block_start = torch.arange(block_tables.shape[1], device=block_tables.device) * block_size
     used = block_start[None, :] < seq_lens[:, None].long()  # [num_seqs, max_blocks_per_seq]
     bad_entries = (used & ((block_tables < 0) | (block_tables >= num_blocks))).nonzero()
     if bad_entries.numel():
         i, j = (int(x) for x in bad_entries[0])
         raise ValueError(f"paged_attention: block_tables[{i}, {j}]: expected a block index in [0, "
-                         f"{num_blocks}), got {int(block_tables[i, j])} (TPKIT_DEBUG check)")
+                         f"{num_blocks}) (a block that seq_lens[{i}] = {int(seq_lens[i])} uses), got "
+                         f"{int(block_tables[i, j])}")
+
+
+def _check_query_start_loc_values(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                                  num_tokens: int) -> None:
+    starts = query_start_loc.long()
+    num_seqs = starts.shape[0] - 1
+    debug = "" if _contents_free(query_start_loc) else " (TPKIT_DEBUG check)"
+    if int(starts[0]) != 0:
+        raise ValueError(f"paged_attention: query_start_loc[0]: expected 0, got {int(starts[0])}{debug}")
+    query_lens = starts[1:] - starts[:-1]  # [num_seqs]
+    decreasing = (query_lens < 0).nonzero()
+    if decreasing.numel():
+        i = int(decreasing[0, 0])
+        raise ValueError(f"paged_attention: query_start_loc: expected non-decreasing entries, got "
+                         f"query_start_loc[{i + 1}] = {int(starts[i + 1])} after query_start_loc[{i}] = "
+                         f"{int(starts[i])}{debug}")
+    if int(starts[-1]) != num_tokens:
+        raise ValueError(f"paged_attention: query_start_loc[{num_seqs}]: expected num_tokens = {num_tokens} "
+                         f"(dim 0 of query), got {int(starts[-1])}{debug}")
+    # A sequence's query tokens are the last of its cached tokens: there are at most seq_lens of them.
+    too_many = (query_lens > seq_lens.long()).nonzero()
+    if too_many.numel():
+        i = int(too_many[0, 0])
+        raise ValueError(f"paged_attention: query_start_loc: expected at most seq_lens[{i}] = "
+                         f"{int(seq_lens[i])} query tokens for sequence {i} (its last tokens in the cache), "
+                         f"got {int(query_lens[i])}{debug}")
 
 
 def _check_reshape_and_cache(
@@ -104,7 +156,7 @@ def _check_reshape_and_cache(
     _check_same(op, "slot_mapping", "shape [num_tokens]", [key.shape[0]], list(slot_mapping.shape))
     _check_devices(op, "key", key, value=value, key_cache=key_cache, value_cache=value_cache,
                    slot_mapping=slot_mapping)
-    if read_values:
+    if read_values or _contents_free(slot_mapping):
         _check_slot_values(key_cache, slot_mapping)
 
 
@@ -114,14 +166,22 @@ def _check_slot_values(key_cache: torch.Tensor, slot_mapping: torch.Tensor) -> N
     if bad.numel():
         i = int(bad[0, 0])
         raise ValueError(f"reshape_and_cache: slot_mapping[{i}]: expected a slot below num_blocks * "
-                         f"block_size = {num_slots} (or negative to skip), got {int(slot_mapping[i])} "
-                         f"(TPKIT_DEBUG check)")
+                         f"block_size = {num_slots} (or negative to skip), got {int(slot_mapping[i])}")
+    # Two tokens written to one slot would leave whichever the device writes last.
+    slots, order = slot_mapping.sort(stable=True)
+    repeated = ((slots[1:] == slots[:-1]) & (slots[1:] >= 0)).nonzero()
+    if repeated.numel():
+        k = int(repeated[0, 0])
+        first, second = sorted((int(order[k]), int(order[k + 1])))
+        raise ValueError(f"reshape_and_cache: slot_mapping[{second}]: expected distinct slots (or negative "
+                         f"to skip), got {int(slots[k])}, the slot of slot_mapping[{first}] too")
 
 
 _define_op(
     "paged_attention",
     "(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-    "Tensor seq_lens, float scale, Tensor? alibi_slopes) -> ()",
+    "Tensor seq_lens, float scale, Tensor? alibi_slopes, Tensor? query_start_loc=None, "
+    "bool causal=True) -> ()",
     ("out",),
     _check_paged_attention,
     paged_attention_reference,
@@ -145,22 +205,42 @@ def paged_attention(
     scale: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    query_start_loc: torch.Tensor | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:
-    """Decode attention: each sequence's query attends to its keys and values in a paged cache.
+    """Attention of query tokens over their sequences' keys and values in a paged cache.
+
+    Without ``query_start_loc`` (decode): one query token a sequence, its last cached token, attending to
+    all of its keys. With it, any step shape (a prefill, a chunk after a cached prefix, speculative tokens,
+    a mix of those and decodes): sequence ``i`` owns query rows ``query_start_loc[i]:query_start_loc[i + 1]``
+    (``q_len_i`` of them, 0 allowed), the last ``q_len_i`` of its ``seq_lens[i]`` tokens in the cache (already
+    written there by :func:`reshape_and_cache`).
 
     Args:
-        query: ``[num_seqs, num_heads, head_size]``, float16, bfloat16 or float32.
+        query: ``[num_seqs, num_heads, head_size]``, or with ``query_start_loc`` ``[num_tokens, num_heads,
+            head_size]``; float16, bfloat16 or float32.
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``, query's dtype.
             Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)`` (MHA, GQA, MQA).
         block_tables: int32 ``[num_seqs, max_blocks_per_seq]``, logical block -> physical block. Entries
             past a sequence's last used block are never read.
-        seq_lens: int32 ``[num_seqs]``, tokens of each sequence in the cache; 0 gives zeros.
-        scale: score scale, default ``1 / sqrt(head_size)``.
-        alibi_slopes: optional float32 ``[num_heads]``: adds ``slope * (key_pos - (seq_len - 1))``.
+        seq_lens: int32 ``[num_seqs]``, tokens of each sequence in the cache, at most the table's
+            capacity; 0 gives zeros. NaN in a used key, value or the query gives NaN. Checked, with
+            ``block_tables``, on CPU tensors (and with ``TPKIT_DEBUG=1`` elsewhere).
+        scale: score scale, finite, default ``1 / sqrt(head_size)``.
+        alibi_slopes: optional float32 ``[num_heads]``: adds ``slope * (key_pos - query_pos)``, both cache
+            positions (a decode query stands at ``seq_len - 1``, query ``j`` of sequence ``i`` at
+            ``seq_lens[i] - q_len_i + j``).
         out: optional tensor shaped like ``query`` that receives the result.
+        query_start_loc: optional int32 ``[num_seqs + 1]``, non-decreasing from 0 to ``num_tokens``, with
+            ``q_len_i <= seq_lens[i]``. Its contents are checked on the CPU, and on GPUs under
+            ``TPKIT_DEBUG=1`` (a check there would synchronise).
+        causal: with ``query_start_loc``, query ``j`` of sequence ``i`` attends to cache positions
+            ``0 .. seq_lens[i] - q_len_i + j`` (bottom-right aligned, as FlashAttention's); False: to all
+            ``seq_lens[i]`` keys (cross-attention over an encoder's cached K/V). A decode query attends to
+            all of its sequence's keys either way.
 
     Returns:
-        ``[num_seqs, num_heads, head_size]`` in query's dtype (``out`` when given). Accumulation is float32.
+        query's shape and dtype (``out`` when given). Accumulation is float32.
     """
     if not isinstance(query, torch.Tensor):
         raise TypeError(f"paged_attention: query: expected a torch.Tensor, got {type(query).__name__}")
@@ -168,10 +248,12 @@ def paged_attention(
         scale = 1.0 / math.sqrt(query.shape[-1])
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"paged_attention: scale: expected a float or None, got {type(scale).__name__}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"paged_attention: causal: expected a bool, got {type(causal).__name__}")
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     torch.ops.tpkit.paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, float(scale),
-                                    alibi_slopes)
+                                    alibi_slopes, query_start_loc, causal)
     return out
 
 
@@ -187,8 +269,9 @@ def reshape_and_cache(
     Args:
         key, value: ``[num_tokens, num_kv_heads, head_size]``, the caches' dtype.
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``, written in place.
-        slot_mapping: int64 ``[num_tokens]``, ``block * block_size + offset``; a negative slot skips the
-            token (padding). A slot past the cache is skipped too rather than written out of bounds
-            (``TPKIT_DEBUG=1`` reports it).
+        slot_mapping: int64 ``[num_tokens]``, ``block * block_size + offset``, distinct; a negative slot
+            skips the token (padding). On CPU tensors a slot past the cache or a repeated one is an error;
+            on a GPU the kernel skips a slot past the cache rather than write out of bounds, and
+            ``TPKIT_DEBUG=1`` reports both.
     """
     torch.ops.tpkit.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)

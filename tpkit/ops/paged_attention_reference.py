@@ -3,7 +3,7 @@
 These are the CPU implementations of the ``tpkit`` ops, the GPU fallback where the CUDA kernel cannot be
 built, and the reference the kernel is tested against. They run on any device without host
 synchronisation, so they can be captured in CUDA graphs: the work follows the shapes (the full width of
-``block_tables``), never the values of ``seq_lens`` or ``slot_mapping``.
+``block_tables``), never the values of ``seq_lens``, ``query_start_loc`` or ``slot_mapping``.
 """
 
 from __future__ import annotations
@@ -24,35 +24,70 @@ def paged_attention_reference(
     seq_lens: torch.Tensor,
     scale: float,
     alibi_slopes: torch.Tensor | None,
+    query_start_loc: torch.Tensor | None = None,
+    causal: bool = True,
 ) -> None:
-    """Decode attention of each sequence's query over its paged K/V, written into ``out``.
+    """Attention of each query row over its sequence's paged K/V, written into ``out``.
 
-    Arguments are as for ``tpkit.attention.paged_attention`` and are assumed valid. Sequences and KV
-    blocks are processed in chunks of at most :data:`CHUNK_ELEMENTS` gathered elements, merged with a
-    running log-sum-exp, so memory stays bounded for any context length.
+    Arguments are as for ``tpkit.attention.paged_attention`` and are assumed valid. Without
+    ``query_start_loc`` a row is a sequence (its one query token); with it a row is a query token, which
+    reads its sequence's block table and attends, as the cache position it stands at, to the keys before it
+    (``causal``) or to all of them. Rows and KV blocks are processed in chunks of at most
+    :data:`CHUNK_ELEMENTS` gathered elements, merged with a running log-sum-exp, so memory stays bounded for
+    any context length.
     """
-    num_seqs, num_heads, head_size = query.shape
+    num_rows, num_heads, head_size = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_heads // num_kv_heads
     num_table_blocks = block_tables.shape[1]
-    if num_seqs == 0 or num_table_blocks == 0:
+    if num_rows == 0 or num_table_blocks == 0:
         out.zero_()
         return
 
     per_token = max(num_kv_heads * head_size, num_heads)
     blocks_per_chunk = max(1, min(num_table_blocks, CHUNK_ELEMENTS // (block_size * per_token)))
-    seqs_per_chunk = max(1, min(num_seqs, CHUNK_ELEMENTS // (blocks_per_chunk * block_size * per_token)))
+    rows_per_chunk = max(1, min(num_rows, CHUNK_ELEMENTS // (blocks_per_chunk * block_size * per_token)))
     # [num_heads] -> [num_kv_heads, group], matching the query's grouping below.
     slopes = None if alibi_slopes is None else alibi_slopes.float().view(num_kv_heads, group)
-    for s0 in range(0, num_seqs, seqs_per_chunk):
-        s1 = min(num_seqs, s0 + seqs_per_chunk)
-        # [S, num_kv_heads, group, head_size]: query heads of one KV head side by side, so GQA needs no
+    for r0 in range(0, num_rows, rows_per_chunk):
+        r1 = min(num_rows, r0 + rows_per_chunk)
+        # [R, num_kv_heads, group, head_size]: query heads of one KV head side by side, so GQA needs no
         # copies of K/V.
-        q = (query[s0:s1].float() * scale).view(s1 - s0, num_kv_heads, group, head_size)
-        lens = seq_lens[s0:s1].long()  # [S]
-        result = _attend_chunk(q, key_cache, value_cache, block_tables[s0:s1], lens, slopes,
+        q = (query[r0:r1].float() * scale).view(r1 - r0, num_kv_heads, group, head_size)
+        if query_start_loc is None:
+            table, key_lens = block_tables[r0:r1], seq_lens[r0:r1].long()  # [R, max_blocks], [R]
+            query_pos = key_lens - 1
+        else:
+            table, key_lens, query_pos = _token_rows(r0, r1, block_tables, seq_lens, query_start_loc, causal)
+        result = _attend_chunk(q, key_cache, value_cache, table, key_lens, query_pos, slopes,
                                num_table_blocks, blocks_per_chunk)
-        out[s0:s1] = result.view(s1 - s0, num_heads, head_size).to(out.dtype)
+        out[r0:r1] = result.view(r1 - r0, num_heads, head_size).to(out.dtype)
+
+
+def _token_rows(
+    t0: int,
+    t1: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Query tokens t0..t1 as rows: each one's block table, number of keys and cache position.
+
+    Sequence ``s`` owns tokens ``query_start_loc[s]:query_start_loc[s + 1]``, the last of its ``seq_lens[s]``
+    cached tokens, so token ``t`` of it stands at cache position ``seq_lens[s] - query_start_loc[s + 1] + t``
+    (bottom-right alignment). Found on the device (a sorted search), never read on the host.
+    Returns table [T, max_blocks_per_seq], key_lens int64 [T], query_pos int64 [T].
+    """
+    device = query_start_loc.device
+    tokens = torch.arange(t0, t1, device=device)  # [T]
+    ends = query_start_loc[1:].long()  # [num_seqs]
+    # The sequence whose rows hold the token; clamped so that invalid starts cannot index out of range.
+    seq = torch.searchsorted(ends, tokens, right=True).clamp_max(ends.shape[0] - 1)  # [T]
+    lens = seq_lens.long()[seq]  # [T]
+    query_pos = lens - ends[seq] + tokens
+    key_lens = query_pos + 1 if causal else lens
+    return block_tables[seq], key_lens, query_pos
 
 
 def _attend_chunk(
@@ -60,40 +95,42 @@ def _attend_chunk(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     block_tables: torch.Tensor,
-    lens: torch.Tensor,
+    key_lens: torch.Tensor,
+    query_pos: torch.Tensor,
     slopes: torch.Tensor | None,
     num_table_blocks: int,
     blocks_per_chunk: int,
 ) -> torch.Tensor:
-    """Attention of a chunk of sequences, over their table in pieces of ``blocks_per_chunk`` blocks.
+    """Attention of a chunk of rows, over their tables in pieces of ``blocks_per_chunk`` blocks.
 
-    q [S, num_kv_heads, group, head_size] float32, pre-scaled; lens int64 [S]; returns float32
-    [S, num_kv_heads, group, head_size].
+    q [R, num_kv_heads, group, head_size] float32, pre-scaled; block_tables [R, max_blocks_per_seq]; key_lens
+    int64 [R]: each row attends to cache positions ``0 .. key_lens - 1``; query_pos int64 [R]: the row's
+    cache position, for ALiBi. Returns float32 [R, num_kv_heads, group, head_size].
     """
-    num_seqs, num_kv_heads, group, head_size = q.shape
+    num_rows, num_kv_heads, group, head_size = q.shape
     block_size = key_cache.shape[1]
     device = q.device
-    running_max = torch.full((num_seqs, num_kv_heads, group, 1), float("-inf"), device=device)
-    running_sum = torch.zeros((num_seqs, num_kv_heads, group, 1), device=device)
+    running_max = torch.full((num_rows, num_kv_heads, group, 1), float("-inf"), device=device)
+    running_sum = torch.zeros((num_rows, num_kv_heads, group, 1), device=device)
     acc = torch.zeros_like(q)
     for b0 in range(0, num_table_blocks, blocks_per_chunk):
         b1 = min(num_table_blocks, b0 + blocks_per_chunk)
         num_tokens = (b1 - b0) * block_size
         block_start = torch.arange(b0, b1, device=device) * block_size  # [B]
-        used = block_start[None, :] < lens[:, None]  # [S, B]
-        # Table entries past a sequence's used blocks may be garbage: point them at block 0, whose
-        # contents are masked out below.
-        table = torch.where(used, block_tables[:, b0:b1].long(), 0)  # [S, B]
+        used = block_start[None, :] < key_lens[:, None]  # [R, B]
+        # Table entries past a row's used blocks may be garbage: point them at block 0, whose contents are
+        # masked out below.
+        table = torch.where(used, block_tables[:, b0:b1].long(), 0)  # [R, B]
         positions = torch.arange(b0 * block_size, b1 * block_size, device=device)  # [T]
-        valid = positions[None, :] < lens[:, None]  # [S, T]
+        valid = positions[None, :] < key_lens[:, None]  # [R, T]
         # reshape, not view: indexing a cache with strided pages (a head-major view) keeps their order.
-        keys = key_cache[table].reshape(num_seqs, num_tokens, num_kv_heads, head_size).float()
-        values = value_cache[table].reshape(num_seqs, num_tokens, num_kv_heads, head_size).float()
+        keys = key_cache[table].reshape(num_rows, num_tokens, num_kv_heads, head_size).float()
+        values = value_cache[table].reshape(num_rows, num_tokens, num_kv_heads, head_size).float()
         # Unused slots may hold NaN, and NaN * 0 is NaN: mask the values as well as the scores.
         values = torch.where(valid[:, :, None, None], values, 0.0)
-        scores = torch.einsum("shgd,sthd->shgt", q, keys)  # [S, num_kv_heads, group, T]
+        scores = torch.einsum("rhgd,rthd->rhgt", q, keys)  # [R, num_kv_heads, group, T]
         if slopes is not None:
-            distance = (positions[None, :] - (lens[:, None] - 1)).float()  # [S, T]
+            distance = (positions[None, :] - query_pos[:, None]).float()  # [R, T]
             scores = scores + slopes[None, :, :, None] * distance[:, None, None, :]
         scores = torch.where(valid[:, None, None, :], scores, float("-inf"))
         new_max = torch.maximum(running_max, scores.amax(dim=-1, keepdim=True))
@@ -102,10 +139,11 @@ def _attend_chunk(
         probs = torch.exp(scores - safe_max)
         correction = torch.exp(running_max - safe_max)
         running_sum = running_sum * correction + probs.sum(dim=-1, keepdim=True)
-        acc = acc * correction + torch.einsum("shgt,sthd->shgd", probs, values)
+        acc = acc * correction + torch.einsum("rhgt,rthd->rhgd", probs, values)
         running_max = new_max
-    # seq_len 0: nothing attended, the result is zeros.
-    return torch.where(running_sum > 0, acc / running_sum, 0.0)
+    # Zeros only where a row has no key (seq_len 0); anything else divides, so a NaN in the query or in an
+    # attended key or value propagates.
+    return torch.where(key_lens[:, None, None, None] > 0, acc / running_sum, 0.0)
 
 
 def reshape_and_cache_reference(

@@ -20,6 +20,9 @@ from tpkit.ops._checks import _FLOAT_DTYPES, _HALF_DTYPES, _check_tensor
 from tpkit.ops._library import _define_op
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# The settings each schedule reads besides rope_theta; each a finite number > 0.
+_FACTORS = {"default": (), "linear": ("factor",),
+            "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 
 
 def rope_parameters(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -38,12 +41,8 @@ def rope_parameters(config: Mapping[str, Any]) -> dict[str, Any]:
 
 def inverse_frequencies(head_size: int, params: Mapping[str, Any]) -> torch.Tensor:
     """float32 ``[head_size // 2]`` inverse frequencies, computed exactly as transformers computes them."""
+    check_rope_parameters(params)
     rope_type = params["rope_type"]
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        supported = ", ".join(SUPPORTED_ROPE_TYPES)
-        raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {supported}")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"partial_rotary_factor must be 1.0, got {params['partial_rotary_factor']}")
     base = params["rope_theta"]
     inv_freq = 1.0 / (base ** (torch.arange(0, head_size, 2, dtype=torch.int64).float() / head_size))
     if rope_type == "linear":
@@ -63,6 +62,28 @@ def inverse_frequencies(head_size: int, params: Mapping[str, Any]) -> torch.Tens
         is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
         return torch.where(is_medium, smoothed, scaled)
     return inv_freq
+
+
+def check_rope_parameters(params: Mapping[str, Any]) -> None:
+    """Every setting the schedule reads, by name: a factor of 0 would give NaN tables and plausible-looking
+    tokens, not an error."""
+    where = "config.json rope_parameters (rope_scaling)"
+    rope_type = params["rope_type"]
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"{where}: rope_type {rope_type!r} is not supported; supported: "
+                         f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"{where}: partial_rotary_factor: expected 1.0, got "
+                         f"{params['partial_rotary_factor']!r}")
+    for key in ("rope_theta", *_FACTORS[rope_type]):
+        value = params.get(key)
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not (number and math.isfinite(value) and value > 0):
+            raise ValueError(f"{where}: {key}: expected a finite number > 0 for rope_type {rope_type!r}, got "
+                             f"{value!r}")
+    if rope_type == "llama3" and not params["high_freq_factor"] > params["low_freq_factor"]:
+        raise ValueError(f"{where}: high_freq_factor: expected more than low_freq_factor = "
+                         f"{params['low_freq_factor']!r}, got {params['high_freq_factor']!r}")
 
 
 class RotaryEmbedding(nn.Module):
@@ -142,6 +163,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     contiguous tensor; cos and sin may also broadcast over batch or seq (then, and with a gradient, this is
     the PyTorch expression rather than the kernel).
     """
+    half = x.shape[-1] // 2
+    for name, table in (("cos", cos), ("sin", sin)):
+        if table.dim() != 4 or table.shape[2:] != (1, half):
+            raise ValueError(f"apply_rotary: {name}: expected shape [batch, seq, 1, {half}] (half of x's "
+                             f"head size {x.shape[-1]}), got {list(table.shape)}")
     if not _kernel_may_take(x, cos, sin):
         return _rotated(x, cos, sin)
     batch, seq, heads, head_size = x.shape

@@ -8,9 +8,15 @@ Training takes a few steps across the group: :func:`vocab_parallel_cross_entropy
 rank's vocabulary columns), :func:`reduce_kv_replica_grads`, :func:`clip_grad_norm_`, and for dropout
 :func:`seed_tensor_parallel`, :func:`tensor_parallel_dropout`, :func:`tensor_parallel_rng` and
 :func:`checkpoint`; with sequence parallelism (the layers' ``sequence_parallel=True``)
-:func:`mark_sequence_parallel` and :func:`reduce_sequence_parallel_grads`.
+:func:`mark_sequence_parallel` and :func:`reduce_sequence_parallel_grads`. :func:`launch` runs a function on
+the ranks of a world on this machine (gloo on the CPU, NCCL on GPUs), as ``torchrun`` would. Each layer
+describes how its parameters are split with ``layer.shard_parts(param)`` (:class:`ShardPart`,
+``.sharding``), which ``tpkit.checkpoint`` reads to save and load at any tp_size.
+:func:`check_ranks_agree` raises on every rank where the ranks were given different values (configs,
+shapes, prompts), which would otherwise abort inside the backend or compute garbage.
 """
 
+from ._consistency import check_ranks_agree
 from ._init import skip_init
 from .cross_entropy import vocab_parallel_cross_entropy
 from .cross_qkv import QKVCrossParallelLinear
@@ -20,6 +26,7 @@ from .grads import (
     reduce_kv_replica_grads,
     reduce_sequence_parallel_grads,
 )
+from .launch import RankError, RankPool, free_port, launch, local_device
 from .linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -45,6 +52,7 @@ from .random import (
     tensor_parallel_dropout,
     tensor_parallel_rng,
 )
+from .sharding import ShardPart
 from .state import (
     TPGroup,
     destroy_tensor_parallel,
@@ -60,16 +68,21 @@ __all__ = [
     "LinearOp",
     "MergedColumnParallelLinear",
     "ParallelLMHead",
+    "RankError",
+    "RankPool",
     "QKVCrossParallelLinear",
     "QKVParallelLinear",
     "ReplicatedLinear",
     "RowParallelLinear",
+    "ShardPart",
     "TPGroup",
     "VocabParallelEmbedding",
+    "check_ranks_agree",
     "checkpoint",
     "clip_grad_norm_",
     "copy_to_tp_region",
     "destroy_tensor_parallel",
+    "free_port",
     "gather_from_sequence_parallel_region",
     "gather_from_tp_region",
     "get_tensor_parallel_rng_state",
@@ -77,6 +90,8 @@ __all__ = [
     "get_tp_rank",
     "get_tp_size",
     "init_tensor_parallel",
+    "launch",
+    "local_device",
     "mark_sequence_parallel",
     "pad_vocab_size",
     "reduce_from_tp_region",

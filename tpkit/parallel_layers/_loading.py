@@ -15,9 +15,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from .sharding import _refuse_plain_dcp
+
 # (start in the parameter, start in the checkpoint tensor, length), all along one dimension
 Piece = tuple[int, int, int]
-
 
 def _shape_of(loaded_weight: object) -> tuple[int, ...]:
     shape = getattr(loaded_weight, "shape", None)
@@ -61,8 +62,19 @@ class _LoadableModule(nn.Module):
     objects without the attribute: ``copy.deepcopy`` and unpickling (``__setstate__``), and conversions that
     cannot swap data in place, such as ``to_empty`` from the meta device (``_apply``).
 
-    Subclasses define ``weight_loader`` and call ``_attach_weight_loaders(self)`` once their parameters exist.
+    Subclasses define ``weight_loader``, ``shard_parts(param)`` (``tpkit.parallel_layers.sharding``),
+    ``tp_rank`` and ``tp_size``, and call ``_attach_weight_loaders(self)`` once their parameters exist. Their
+    ``state_dict`` marks each sharded tensor so that torch.distributed.checkpoint refuses it (see there).
     """
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # noqa: ANN001, ANN202 (nn.Module's)
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.tp_size == 1:
+            return
+        for name, param in self.named_parameters(recurse=False):
+            sharded = any(part.dim is not None for part in self.shard_parts(param))
+            if sharded and prefix + name in destination:
+                _refuse_plain_dcp(destination[prefix + name], prefix + name, self.tp_rank, self.tp_size)
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)

@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from ._checks import _check_indices
+from ._failures import collective_failed
 from .mappings import _all_reduce
 from .state import TPGroup, _resolve_tp_group
 
@@ -32,7 +34,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             logits = logits.masked_fill(padding, float("-inf"))
         row_max = logits.max(dim=-1).values
         if tp.size > 1:
-            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp.group)
+            try:
+                dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp.group)
+            except RuntimeError as error:
+                raise collective_failed("all-reduce (max)", tp.group, row_max, error) from error
         shifted = logits - row_max[:, None]
         exp = shifted.exp()
         local = labels - vocab_start_index
@@ -77,9 +82,10 @@ def vocab_parallel_cross_entropy(
     padding), as :meth:`ParallelLMHead.compute_sharded_logits` gives them; ``labels`` ``[...]`` are int64
     vocabulary ids, or ``ignore_index`` for tokens that take no loss. ``reduction``: "mean" (over the tokens
     not ignored), "sum" or "none" (float32 ``[...]``, 0 where ignored). Computed in float32; the gradient
-    has the logits' dtype. Every rank of the group must call it with the same labels. Labels are not checked
-    against the vocabulary (that would wait for the GPU): an id outside it is no rank's column, and its
-    loss is the log-sum-exp alone.
+    has the logits' dtype. Every rank of the group must call it with the same labels. A negative label
+    other than ``ignore_index`` (at tp_size 1 also one past the vocabulary) is refused on the CPU (on GPUs
+    with ``TPKIT_DEBUG=1``); past the vocabulary at tp_size > 1 only ``ParallelLMHead.cross_entropy``,
+    which knows its size, refuses it: an id outside the vocabulary is no rank's column.
     """
     if labels.dtype != torch.long:
         raise ValueError(f"labels must be int64 vocabulary ids, received dtype {labels.dtype}")
@@ -92,6 +98,11 @@ def vocab_parallel_cross_entropy(
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, received {reduction!r}")
     tp = _resolve_tp_group(tp_group)
+    # A negative label other than ignore_index (and at tp_size 1 one past the vocabulary) is no rank's column:
+    # refused where that is free, on the CPU (ParallelLMHead.cross_entropy also knows the whole vocabulary).
+    upper = vocab_start_index + num_real_rows if tp.size == 1 else 2**62
+    _check_indices("vocab_parallel_cross_entropy", "labels", labels.masked_fill(labels == ignore_index, 0),
+                   upper)
     loss = _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                             vocab_start_index, num_real_rows, ignore_index, tp)
     if reduction == "none":

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._failures import collective_failed
 from .linear import QKVParallelLinear, RowParallelLinear
 from .mappings import _all_reduce
 from .state import TPGroup, _resolve_tp_group
@@ -93,9 +94,10 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0, 
     rank of the group, after :func:`reduce_kv_replica_grads`. ``tp_group``: default the group of the tpkit
     layers in ``module``, else that of ``init_tensor_parallel``.
     """
-    if not (isinstance(max_norm, (int, float)) and max_norm > 0 and math.isfinite(max_norm)):
+    if isinstance(max_norm, bool) or not (isinstance(max_norm, (int, float)) and max_norm > 0
+                                          and math.isfinite(max_norm)):
         raise ValueError(f"clip_grad_norm_: max_norm must be a positive finite number, received {max_norm!r}")
-    if not (isinstance(norm_type, (int, float)) and norm_type > 0):
+    if isinstance(norm_type, bool) or not (isinstance(norm_type, (int, float)) and norm_type > 0):
         raise ValueError(f"clip_grad_norm_: norm_type must be positive (or inf), received {norm_type!r}")
     tp = _resolve_tp_group(tp_group) if tp_group is not None else _group_of(module)
     grads: list[torch.Tensor] = []
@@ -111,7 +113,10 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0, 
         total = torch.zeros((), device="cuda" if tp.backend == "nccl" else "cpu")
     if tp.size > 1:
         op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-        dist.all_reduce(total, op=op, group=tp.group)
+        try:
+            dist.all_reduce(total, op=op, group=tp.group)
+        except RuntimeError as error:
+            raise collective_failed("all-reduce of the gradient norm", tp.group, total, error) from error
     if not math.isinf(norm_type):
         total = total.pow(1.0 / norm_type)
     scale = (max_norm / (total + 1e-6)).clamp(max=1.0)

@@ -52,6 +52,7 @@ from .mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tp_region,
 )
+from .sharding import ShardPart, replicated
 from .state import TPGroup, _resolve_tp_group
 
 _TPGroupArg = TPGroup | dist.ProcessGroup | None
@@ -103,12 +104,25 @@ class _LinearBase(_UsesLinearOp, _LoadableModule):
         every row once. ReplicatedLinear's default: every rank."""
         return self.tp_size
 
+    def shard_parts(self, param: nn.Parameter) -> tuple[ShardPart, ...]:
+        """The logical tensors ``param`` holds rows of, and where (``tpkit.parallel_layers.sharding``).
+        ReplicatedLinear's default: the whole parameter on every rank."""
+        return replicated(param)
+
     def _init_bound(self) -> float:
         # nn.Linear's kaiming-uniform bound over the full fan-in, whatever this rank's share of it.
         return 1.0 / math.sqrt(self.input_size)
 
     def _with_bias(self, output: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         return (output, self.bias) if self.skip_bias_add else output
+
+    def _check_input(self, input_: torch.Tensor, width: int, why: str = "input_size") -> None:
+        """The input's features, ``[..., width]``, named with ``why`` (F.linear's own error names neither
+        the layer nor which size it expected)."""
+        if not isinstance(input_, torch.Tensor) or input_.dim() == 0 or input_.shape[-1] != width:
+            got = list(input_.shape) if isinstance(input_, torch.Tensor) else type(input_).__name__
+            raise ValueError(f"{type(self).__name__}: input: expected a last dimension of {width} ({why}), "
+                             f"got shape {got}")
 
     def extra_repr(self) -> str:
         return (f"input_size={self.input_size}, output_size={self.output_size}, "
@@ -148,6 +162,7 @@ class ReplicatedLinear(_LinearBase):
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         # [..., input_size] -> [..., output_size]
+        self._check_input(input_, self.input_size)
         output = self.linear_op(input_, self.weight, None if self.skip_bias_add else self.bias)
         return self._with_bias(output)
 
@@ -182,6 +197,16 @@ class _ColumnParallelBase(_LinearBase):
         rows = self.output_size_per_partition
         return [(0, self.tp_rank * rows, rows, self.tp_rank)]
 
+    def _logical_rows(self) -> list[tuple[int | str | None, int, int, int, int]]:
+        """(shard id, rows of the logical tensor, this rank's first row of it, how many, start in this rank's
+        rows) for each logical tensor the weight stacks."""
+        rows = self.output_size_per_partition
+        return [(None, self.output_size, self.tp_rank * rows, rows, 0)]
+
+    def shard_parts(self, param: nn.Parameter) -> tuple[ShardPart, ...]:
+        return tuple(ShardPart(shard_id, (total, *param.shape[1:]), 0, start, length, param_start)
+                     for shard_id, total, start, length, param_start in self._logical_rows())
+
     def reset_parameters(self) -> None:
         bound = self._init_bound()
         for param in (self.weight, self.bias):
@@ -208,6 +233,7 @@ class _ColumnParallelBase(_LinearBase):
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         # [..., input_size] -> [..., output_size_per_partition] (or [..., output_size] with gather_output)
+        self._check_input(input_, self.input_size)
         input_ = self._input_region(input_)
         output = self.linear_op(input_, self.weight, None if self.skip_bias_add else self.bias)
         if not (self.gather_output and self.tp_size > 1):
@@ -296,6 +322,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         return [(*self._shard_pieces(i), i * self.tp_size + self.tp_rank)
                 for i in range(len(self.output_sizes))]
 
+    def _logical_rows(self) -> list[tuple[int | str | None, int, int, int, int]]:
+        rows = []
+        for i, size in enumerate(self.output_sizes):
+            dst_start, full_start, length = self._shard_pieces(i)
+            rows.append((i, size, full_start - sum(self.output_sizes[:i]), length, dst_start))
+        return rows
+
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       loaded_shard_id: int | str | None = None) -> None:
         name = _param_name(self, param, loaded_shard_id)
@@ -307,10 +340,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                 or not 0 <= loaded_shard_id < len(self.output_sizes)):
             raise ValueError(f"{name}: loaded_shard_id must be an index into output_sizes "
                              f"(0..{len(self.output_sizes) - 1}) or None, received {loaded_shard_id!r}")
-        dst_start, full_start, length = self._shard_pieces(loaded_shard_id)
-        src_start = full_start - sum(self.output_sizes[:loaded_shard_id])
-        self._load_rows(param, loaded_weight, name, self.output_sizes[loaded_shard_id],
-                        [(dst_start, src_start, length)])
+        _, total, src_start, length, dst_start = self._logical_rows()[loaded_shard_id]
+        self._load_rows(param, loaded_weight, name, total, [(dst_start, src_start, length)])
 
 
 class QKVParallelLinear(_ColumnParallelBase):
@@ -392,6 +423,15 @@ class QKVParallelLinear(_ColumnParallelBase):
             pieces.append((dst, fused_start + src, length, block))
         return pieces
 
+    def _logical_rows(self) -> list[tuple[int | str | None, int, int, int, int]]:
+        kv_rows = self.total_num_kv_heads * self.head_size
+        totals = {"q": self.total_num_heads * self.head_size, "k": kv_rows, "v": kv_rows}
+        rows = []
+        for shard in "qkv":
+            dst, src, length, _ = self._qkv_piece(shard)
+            rows.append((shard, totals[shard], src, length, dst))
+        return rows
+
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       loaded_shard_id: int | str | None = None) -> None:
         name = _param_name(self, param, loaded_shard_id)
@@ -402,9 +442,8 @@ class QKVParallelLinear(_ColumnParallelBase):
         if loaded_shard_id not in ("q", "k", "v"):
             raise ValueError(f"{name}: loaded_shard_id must be 'q', 'k', 'v' or None, "
                              f"received {loaded_shard_id!r}")
-        dst, src, length, _ = self._qkv_piece(loaded_shard_id)
-        heads = self.total_num_heads if loaded_shard_id == "q" else self.total_num_kv_heads
-        self._load_rows(param, loaded_weight, name, heads * self.head_size, [(dst, src, length)])
+        _, total, src, length, dst = self._logical_rows()["qkv".index(loaded_shard_id)]
+        self._load_rows(param, loaded_weight, name, total, [(dst, src, length)])
 
     def _grad_holders(self, param: nn.Parameter) -> int | torch.Tensor:
         # q rows are shards; each KV head's rows sit on its num_kv_head_replicas ranks.
@@ -503,8 +542,19 @@ class RowParallelLinear(_LinearBase):
     def _grad_holders(self, param: nn.Parameter) -> int | torch.Tensor:
         return 1 if param is self.weight else self.tp_size  # the bias: on every rank
 
+    def shard_parts(self, param: nn.Parameter) -> tuple[ShardPart, ...]:
+        if param is not self.weight:
+            return replicated(param)
+        columns = self.input_size_per_partition
+        return (ShardPart(None, (self.output_size, self.input_size), 1, self.tp_rank * columns, columns),)
+
     def forward(self, input_: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         # [..., input_size_per_partition] (or [..., input_size]) -> [..., output_size]
+        if self.input_is_parallel and self.tp_size > 1:
+            self._check_input(input_, self.input_size_per_partition,
+                              f"this rank's share of input_size {self.input_size}: input_is_parallel=True")
+        else:
+            self._check_input(input_, self.input_size)
         add_bias = self.bias is not None and not self.skip_bias_add
         if self.tp_size == 1:
             return self._with_bias(self.linear_op(input_, self.weight, self.bias if add_bias else None))

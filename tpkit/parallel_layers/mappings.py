@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ._failures import collective_failed
 from .state import TPGroup, _resolve_tp_group
 
 # torch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor (deprecated there); 2.11 has only the
@@ -38,7 +39,10 @@ _reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 def _all_reduce(tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """Sums ``tensor`` over the group in place; ``tensor`` must be contiguous and owned by the caller."""
-    dist.all_reduce(tensor, group=tp.group)
+    try:
+        dist.all_reduce(tensor, group=tp.group)
+    except RuntimeError as error:
+        raise collective_failed("all-reduce", tp.group, tensor, error) from error
     return tensor
 
 
@@ -54,7 +58,11 @@ def _all_reduce_copy(input_: torch.Tensor, group_name: str) -> torch.Tensor:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     output = input_.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(output, group=_resolve_process_group(group_name))
+    group = _resolve_process_group(group_name)
+    try:
+        dist.all_reduce(output, group=group)
+    except RuntimeError as error:
+        raise collective_failed("all-reduce", group, output, error) from error
     return output
 
 
@@ -71,11 +79,14 @@ def _all_gather_dim(tensor: torch.Tensor, tp: TPGroup, dim: int) -> torch.Tensor
     # all-gather writes (it copies into the buffer given), viewed as [tp_size, *tensor.shape].
     gathered = tensor.new_empty((tp.size * tensor.shape[0], *tensor.shape[1:]))
     stacked = gathered.view(tp.size, *tensor.shape)
-    if tp.backend == "gloo":
-        # Some gloo builds lack the single-tensor all-gather: gather into views of the same buffer.
-        dist.all_gather(list(stacked.unbind(0)), tensor, group=tp.group)
-    else:
-        _all_gather_into(gathered, tensor, group=tp.group)
+    try:
+        if tp.backend == "gloo":
+            # Some gloo builds lack the single-tensor all-gather: gather into views of the same buffer.
+            dist.all_gather(list(stacked.unbind(0)), tensor, group=tp.group)
+        else:
+            _all_gather_into(gathered, tensor, group=tp.group)
+    except RuntimeError as error:
+        raise collective_failed("all-gather", tp.group, tensor, error) from error
     shape = list(tensor.shape)
     shape[dim] *= tp.size
     return stacked.movedim(0, dim).reshape(shape)
@@ -102,11 +113,14 @@ def _reduce_scatter_copy(input_: torch.Tensor, group_name: str, world_size: int)
     group = _resolve_process_group(group_name)
     input_ = input_.contiguous()
     output = input_.new_empty((input_.shape[0] // world_size, *input_.shape[1:]))
-    if dist.get_backend(group) == "gloo":
-        # As for the all-gather: the list form, which every gloo build has.
-        dist.reduce_scatter(output, list(input_.split(output.shape[0])), group=group)
-    else:
-        _reduce_scatter_into(output, input_, group=group)
+    try:
+        if dist.get_backend(group) == "gloo":
+            # As for the all-gather: the list form, which every gloo build has.
+            dist.reduce_scatter(output, list(input_.split(output.shape[0])), group=group)
+        else:
+            _reduce_scatter_into(output, input_, group=group)
+    except RuntimeError as error:
+        raise collective_failed("reduce-scatter", group, input_, error) from error
     return output
 
 

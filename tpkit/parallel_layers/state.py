@@ -184,10 +184,13 @@ def init_tensor_parallel(
         raise RuntimeError(f"tensor parallelism is already initialised with tp_size={_tp_group.size}; "
                            "call destroy_tensor_parallel() before initialising it differently")
 
+    from ._consistency import check_setup_agrees  # it imports this module
+
     if process_group is not None:
         tp = TPGroup.from_process_group(process_group)
         if tp_size is not None and tp_size != tp.size:
             raise ValueError(f"tp_size={tp_size} does not match the size of the given group ({tp.size})")
+        check_setup_agrees(tp, tp_size=tp_size)
         _tp_group = tp
         return tp
 
@@ -210,6 +213,14 @@ def init_tensor_parallel(
 
     world_size = dist.get_world_size()
     tp_size = world_size if tp_size is None else tp_size
+    try:
+        # Before any group is made: ranks asking for different groups would otherwise make different ones.
+        check_setup_agrees(TPGroup.from_process_group(dist.group.WORLD), tp_size=tp_size, backend=backend,
+                           timeout=None if timeout is None else timeout.total_seconds())
+    except (RuntimeError, ValueError):
+        if created_default:
+            dist.destroy_process_group()
+        raise
     if world_size % tp_size:
         if created_default:
             dist.destroy_process_group()

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ._checks import _check_positive
+from ._checks import _check_indices, _check_positive
 from ._init import _normal_, _shard_seed, _uniform_
 from ._loading import (
     _attach_weight_loaders,
@@ -34,11 +34,13 @@ from .mappings import (
     gather_from_tp_region,
     reduce_scatter_to_sequence_parallel_region,
 )
+from .sharding import ShardPart
 from .state import TPGroup, _resolve_tp_group
 
 
 def pad_vocab_size(num_embeddings: int, padding_size: int, tp_size: int = 1) -> int:
     """The smallest multiple of ``padding_size`` that holds ``num_embeddings`` and divides by tp_size."""
+    _check_positive(num_embeddings=num_embeddings, padding_size=padding_size, tp_size=tp_size)
     multiple = padding_size * tp_size // math.gcd(padding_size, tp_size)
     return -(-num_embeddings // multiple) * multiple
 
@@ -86,6 +88,12 @@ class _VocabParallelBase(_LoadableModule):
         """Each row of the weight (and bias) is on one rank (gradient norms count every row once)."""
         return 1
 
+    def shard_parts(self, param: nn.Parameter) -> tuple[ShardPart, ...]:
+        """Rows ``[vocab_start_index, vocab_start_index + num_real_rows)`` of the unpadded vocabulary
+        (``tpkit.parallel_layers.sharding``); the padding rows belong to no logical tensor."""
+        return (ShardPart(None, (self.num_embeddings, *param.shape[1:]), 0, self.vocab_start_index,
+                          self.num_real_rows),)
+
     def _zero_padding(self, param: torch.Tensor) -> None:
         with torch.no_grad():
             param[self.num_real_rows:].zero_()
@@ -106,8 +114,9 @@ class _VocabParallelBase(_LoadableModule):
 
 
 class VocabParallelEmbedding(_VocabParallelBase):
-    """``nn.Embedding`` with the vocabulary rows split over the ranks (ids expected in
-    ``[0, num_embeddings)``): each rank looks up the ids in its rows, zeroes the rest, one all-reduce.
+    """``nn.Embedding`` with the vocabulary rows split over the ranks: each rank looks up the ids in its rows,
+    zeroes the rest, one all-reduce. Ids must lie in ``[0, num_embeddings)``: a ValueError names the first
+    that does not (checked on the CPU; on GPUs with ``TPKIT_DEBUG=1``).
 
     With ``sequence_parallel=True`` (sequence parallelism, ``tpkit.parallel_layers.linear``) the partial
     lookups are reduce-scattered over the ids' last dim instead: ids ``[..., seq]`` -> this rank's
@@ -137,6 +146,8 @@ class VocabParallelEmbedding(_VocabParallelBase):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # [...] int -> [..., embedding_dim]
+        _check_indices(f"VocabParallelEmbedding(num_embeddings={self.num_embeddings})", "input_ids",
+                       input_ids, self.num_embeddings)
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
@@ -155,8 +166,13 @@ class ParallelLMHead(_UsesLinearOp, _VocabParallelBase):
     :meth:`compute_sharded_logits` this rank's vocabulary columns, and :meth:`cross_entropy` a training loss
     from them, without gathering.
     :meth:`tie_weights` shares the embedding's weight Parameter (models with tied embeddings); loading the
-    embedding then loads the head. The optional bias is sharded and padded like the weight's rows.
+    embedding then loads the head. ``tied`` says it was asked to (``model.to_empty()`` gives each name its
+    own tensor: tie again after it); :meth:`untie_weights` gives the head a weight of its own again (loaders
+    do, as transformers does, where a checkpoint holds both with different values). The optional bias is
+    sharded and padded like the weight's rows.
     """
+
+    tied = False
 
     def __init__(
         self,
@@ -193,6 +209,14 @@ class ParallelLMHead(_UsesLinearOp, _VocabParallelBase):
             raise ValueError("tie_weights needs the same sharding (num_embeddings, num_embeddings_padded, "
                              f"embedding_dim, tp_size, tp_rank): head {mine}, embedding {theirs}")
         self.weight = embedding.weight
+        self.tied = True
+        return self
+
+    def untie_weights(self) -> ParallelLMHead:
+        """Gives this head a weight Parameter of its own, a copy of the one it shares; returns self."""
+        self.weight = nn.Parameter(self.weight.detach().clone(), requires_grad=self.weight.requires_grad)
+        _attach_weight_loaders(self)
+        self.tied = False
         return self
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -208,6 +232,10 @@ class ParallelLMHead(_UsesLinearOp, _VocabParallelBase):
         """This rank's vocabulary columns of the logits: ``[..., embedding_dim]`` -> ``[...,
         num_embeddings_per_partition]`` (columns ``[vocab_start_index, vocab_end_index)``, padding past
         ``num_real_rows``)."""
+        if not isinstance(hidden_states, torch.Tensor) or hidden_states.shape[-1:] != (self.embedding_dim,):
+            got = list(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else hidden_states
+            raise ValueError(f"ParallelLMHead: hidden_states: expected a last dimension of "
+                             f"{self.embedding_dim} (embedding_dim), got shape {got!r}")
         if self.tp_size > 1:
             hidden_states = copy_to_tp_region(hidden_states, self.tp_group)
         return self.linear_op(hidden_states, self.weight, self.bias)
@@ -217,7 +245,11 @@ class ParallelLMHead(_UsesLinearOp, _VocabParallelBase):
         """``F.cross_entropy(self.compute_logits(hidden_states), labels)`` without gathering the logits: each
         rank keeps its vocabulary columns (:func:`vocab_parallel_cross_entropy`). hidden_states ``[...,
         embedding_dim]``, labels ``[...]`` int64 (``ignore_index``: no loss); reduction "mean", "sum" or
-        "none"."""
+        "none". A label outside ``[0, num_embeddings)`` other than ``ignore_index`` is refused (checked on the
+        CPU; on GPUs with ``TPKIT_DEBUG=1``)."""
+        if isinstance(labels, torch.Tensor) and labels.dtype == torch.long:
+            _check_indices(f"ParallelLMHead(num_embeddings={self.num_embeddings})", "labels",
+                           labels.masked_fill(labels == ignore_index, 0), self.num_embeddings)
         logits = self.compute_sharded_logits(hidden_states)
         return vocab_parallel_cross_entropy(logits, labels, self.vocab_start_index, self.num_real_rows,
                                             tp_group=self.tp_group, ignore_index=ignore_index,

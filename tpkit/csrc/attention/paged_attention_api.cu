@@ -41,7 +41,7 @@ void plan_partitions(tpkit_paged_attention_args* a, int concurrent_blocks, doubl
     if ((max_tiles + tiles - 1) / tiles != np) continue;  // same split as a smaller np
     const double blocks = base * np;
     if (blocks > slots) break;
-    const double merge_cost = (cluster_merges >> np) & 1 ? 0.0 : kMergeKernelCost;
+    const double merge_cost = cluster_mergeable(cluster_merges, np) ? 0.0 : kMergeKernelCost;
     const double cost = tiles + write_cost + kBlockStartCost + blocks * write_cost / slots + merge_cost;
     if (cost < best_cost) {
       best_cost = cost;
@@ -53,6 +53,36 @@ void plan_partitions(tpkit_paged_attention_args* a, int concurrent_blocks, doubl
   a->partition_size = best_tiles * kPlanTile;
 }
 
+namespace {
+
+// The last step of planning: the plan against the current device's launch limits. A cluster merge the device
+// cannot launch (no cluster launch, more blocks than kMaxClusterSize, a grid whose y is not a multiple of the
+// cluster's) becomes the merge kernel, which every device runs; a grid, block or shared-memory size past the
+// device's limits, which the per-kernel planners never choose, is refused here, before any launch (a launch
+// with a bad configuration can leave the context unusable).
+cudaError_t fit_launch_limits(tpkit_paged_attention_args* a) {
+  int grid_x = 0, grid_y = 0, grid_z = 0, threads = 0, smem = 0, cluster_launch = 0;
+  cudaError_t err;
+  if ((err = current_device_attribute(cudaDevAttrMaxGridDimX, &grid_x)) != cudaSuccess ||
+      (err = current_device_attribute(cudaDevAttrMaxGridDimY, &grid_y)) != cudaSuccess ||
+      (err = current_device_attribute(cudaDevAttrMaxGridDimZ, &grid_z)) != cudaSuccess ||
+      (err = current_device_attribute(cudaDevAttrMaxThreadsPerBlock, &threads)) != cudaSuccess ||
+      (err = current_device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, &smem)) != cudaSuccess ||
+      (err = current_device_attribute(cudaDevAttrClusterLaunch, &cluster_launch)) != cudaSuccess) {
+    return err;
+  }
+  const dim3 grid = attention_grid(a);
+  const int cluster = attention_cluster_size(a);
+  if (cluster > 1 && (!cluster_launch || cluster > kMaxClusterSize || grid.y % cluster != 0)) a->cluster_merge = 0;
+  const bool fits = a->num_partitions >= 1 && a->num_partitions <= kMaxPartitions && a->m_groups >= 1 &&
+                    static_cast<int64_t>(a->num_kv_heads) * a->m_groups <= grid_x &&
+                    static_cast<int>(grid.y) <= grid_y && static_cast<int>(grid.z) <= grid_z &&
+                    a->num_seqs <= grid_y &&  // the merge kernel's grid: (head groups, sequences)
+                    a->threads >= 32 && a->threads <= threads && a->smem_bytes >= 0 && a->smem_bytes <= smem;
+  return fits ? cudaSuccess : cudaErrorInvalidConfiguration;
+}
+
+}  // namespace
 }  // namespace tpkit
 
 namespace {
@@ -103,6 +133,7 @@ cudaError_t tpkit_paged_attention_plan(tpkit_paged_attention_args* a) {
     case TPKIT_BFLOAT16: err = tpkit::plan_bfloat16(a); break;
     default: err = tpkit::plan_float32(a); break;
   }
+  if (err == cudaSuccess) err = tpkit::fit_launch_limits(a);
   // A failed runtime query also sets the thread's last error: clear it so that it is not reported later by
   // an unrelated launch (ours or the framework's).
   if (err != cudaSuccess) cudaGetLastError();

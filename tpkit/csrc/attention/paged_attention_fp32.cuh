@@ -148,11 +148,13 @@ __global__ void __launch_bounds__(kFp32Threads) paged_attention_fp32_kernel(cons
     }
   }
   __syncthreads();
+  // Zeros only where the partition holds no key (seq_len 0): a NaN sum (a NaN key, value or query) stays NaN.
+  const bool attended = end > start;
   for (int i = tid; i < rows_valid * HEAD; i += blockDim.x) {
     const int r = i / HEAD;
     const int d = i - r * HEAD;
     const float sum = l_s[r];
-    const float val = sum > 0.f ? o_s[i] / sum : 0.f;
+    const float val = attended ? o_s[i] / sum : 0.f;
     const int head = head0 + r;
     if (!split) {
       float* out = static_cast<float*>(p.out) + static_cast<int64_t>(seq) * p.o_stride_seq + static_cast<int64_t>(head) * p.o_stride_head;
@@ -160,7 +162,7 @@ __global__ void __launch_bounds__(kFp32Threads) paged_attention_fp32_kernel(cons
     } else {
       const int64_t row_index = (static_cast<int64_t>(seq) * p.num_heads + head) * p.num_partitions + partition;
       p.tmp_out[row_index * HEAD + d] = val;
-      if (d == 0) p.tmp_lse[row_index] = sum > 0.f ? m_s[r] + log2f(sum) : -INFINITY;
+      if (d == 0) p.tmp_lse[row_index] = attended ? m_s[r] + log2f(sum) : -INFINITY;
     }
   }
 }

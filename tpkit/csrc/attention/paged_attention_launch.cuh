@@ -155,7 +155,7 @@ inline int64_t grid_blocks(const tpkit_paged_attention_args* a) {
 
 // Sets a->cluster_merge for the planned partitions from the cluster_merge_mask of the kernel that will run.
 inline void set_cluster_merge(tpkit_paged_attention_args* a, uint32_t mask) {
-  a->cluster_merge = a->num_partitions > 1 && ((mask >> a->num_partitions) & 1) ? 1 : 0;
+  a->cluster_merge = cluster_mergeable(mask, a->num_partitions) ? 1 : 0;
 }
 
 // Whether this build has the warpgroup kernel (sm_90a) and the current device runs it (compute 9.0).
@@ -320,20 +320,20 @@ cudaError_t plan_mma(tpkit_paged_attention_args* a) {
 
 template <typename T, int HEAD>
 cudaError_t launch_mma(const tpkit_paged_attention_args* a, cudaStream_t stream) {
-  const dim3 grid(a->num_kv_heads * a->m_groups, a->num_partitions, a->num_seqs);
+  const dim3 grid = attention_grid(a);
   if constexpr (HEAD == kWgmmaHead) {
     if (a->wgmma) {
       const auto kernel =
           a->warpgroups == 2 ? paged_attention_wgmma_kernel<T, 2> : paged_attention_wgmma_kernel<T, 1>;
-      const cudaError_t err = launch_dependent(kernel, grid, a->threads, a->smem_bytes,
-                                               a->cluster_merge ? a->num_partitions : 1, a, stream);
+      const cudaError_t err =
+          launch_dependent(kernel, grid, a->threads, a->smem_bytes, attention_cluster_size(a), a, stream);
       if (err != cudaSuccess) return err;
       return launch_merge<T>(a, stream);
     }
   }
   const AttentionKernel kernel = mma_kernel<T, HEAD>(a->slices, a->swizzled != 0);
-  const cudaError_t err = launch_dependent(kernel, grid, a->threads, a->smem_bytes,
-                                           a->cluster_merge ? a->num_partitions : 1, a, stream);
+  const cudaError_t err =
+      launch_dependent(kernel, grid, a->threads, a->smem_bytes, attention_cluster_size(a), a, stream);
   if (err != cudaSuccess) return err;
   return launch_merge<T>(a, stream);
 }
@@ -372,7 +372,7 @@ cudaError_t plan_fp32(tpkit_paged_attention_args* a) {
 
 template <int HEAD>
 cudaError_t launch_fp32(const tpkit_paged_attention_args* a, cudaStream_t stream) {
-  const dim3 grid(a->num_kv_heads * a->m_groups, a->num_partitions, a->num_seqs);
+  const dim3 grid = attention_grid(a);
   paged_attention_fp32_kernel<HEAD><<<grid, a->threads, a->smem_bytes, stream>>>(*a);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;

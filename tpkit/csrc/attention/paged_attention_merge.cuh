@@ -71,7 +71,8 @@ __global__ void __launch_bounds__(kMergeThreads) paged_attention_merge_kernel(co
   }
   sum = warp_reduce<false>(sum);
   __syncwarp();  // publishes `weights` to the warp
-  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  // At least one partition holds keys (used > 0): a NaN sum stays NaN rather than becoming zeros.
+  const float inv = 1.f / sum;
   for (int v = lane; v < vecs; v += 32) {
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     int i = 0;

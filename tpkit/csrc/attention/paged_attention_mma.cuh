@@ -15,6 +15,7 @@
 
 #include "common/dtype_traits.cuh"
 #include "attention/paged_attention.h"
+#include "attention/paged_attention_dispatch.h"
 #include "common/ptx.cuh"
 
 namespace tpkit {
@@ -24,8 +25,6 @@ constexpr int kLoaderThreads = 128;  // threads that issue the cp.async copies (
 constexpr int kMaxThreads = 256;
 constexpr int kMinBlockSize = 8;  // smallest supported KV block: at most 8 pages per tile
 constexpr int kPageRing = 8;      // page-id slots, one per tile; more than the deepest pipeline (4) + 1
-// Partitions merged in one cluster: the portable maximum (a non-portable 16 is slower than the merge kernel).
-constexpr int kMaxClusterSize = 8;
 
 // Head size rounded up to the mma k-step.
 constexpr int padded_head(int head) { return (head + 15) / 16 * 16; }
@@ -37,8 +36,7 @@ constexpr bool kSwizzleable = padded_head(HEAD) / 8 % 8 == 0;
 // Shared-memory layout of one row (a token's K or V, or a query) in 16-byte chunks. Padded rows have an odd
 // number of chunks, so ldmatrix's 8 rows hit 8 distinct bank groups. Swizzled rows are unpadded: chunk c of
 // row r is stored at c ^ (r & 7), which keeps ldmatrix conflict-free and every 32-byte global sector in one
-// 32-byte unit (an odd padded row, 16 bytes off that boundary, splits its sectors: cp.async then asks L2
-// for 1.5x the bytes, in twice the requests). The plan picks the layout (`swizzled`).
+// 32-byte unit (a padded row splits its sectors: cp.async asks L2 for 1.5x the bytes). The plan picks it.
 template <int HEAD, bool SWIZZLED>
 struct MmaLayout {
   static_assert(HEAD % 8 == 0, "head size must be a multiple of 8");
@@ -155,8 +153,8 @@ __device__ __forceinline__ void prefetch_prologue(const T* q_rows, int64_t q_str
 // the cluster's size (PARTS >= num_parts), and issues all their loads (every partition's log-sum-exp and
 // 16 bytes of values) before using any, so a round costs one round trip to the other blocks' shared memory.
 template <int HEAD, typename P, int PARTS, typename RowOut, typename OutRow>
-__device__ __forceinline__ void merge_items(int num_parts, int rows_valid, const float* row_lse, RowOut row_out,
-                                            OutRow out_row) {
+__device__ __forceinline__ void merge_items(int num_parts, bool attended, int rows_valid, const float* row_lse,
+                                            RowOut row_out, OutRow out_row) {
   constexpr int kPerLoad = 16 / static_cast<int>(sizeof(P));  // columns an item
   constexpr int kVecs = HEAD / kPerLoad;
   constexpr int ITEMS = kMaxClusterSize / PARTS;
@@ -203,7 +201,8 @@ __device__ __forceinline__ void merge_items(int num_parts, int rows_valid, const
           sum += w;
         }
       }
-      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      // Zeros only where the sequence has no key: a NaN sum stays NaN.
+      const float inv = attended ? 1.f / sum : 0.f;
       const int r = i / kVecs;
       auto* out = out_row(r) + (i - r * kVecs) * kPerLoad;
 #pragma unroll
@@ -219,18 +218,19 @@ __device__ __forceinline__ void merge_items(int num_parts, int rows_valid, const
 // log-sum-exp, row_lse[r], to its own shared memory: block `rank` finishes every num_partitions-th (row,
 // 16 bytes of columns) item of the first rows_valid rows, reading every partition's values from that
 // partition's shared memory, and stores it to out_row(r). No float32 partials in global memory, no second
-// kernel. Every thread of every block of the cluster must call it.
+// kernel. Every thread of every block of the cluster must call it. attended: the sequence has keys
+// (seq_len > 0); without, the output is zeros.
 template <int HEAD, typename P, typename RowOut, typename OutRow>
-__device__ __forceinline__ void merge_in_cluster(int num_parts, int rows_valid, const float* row_lse,
+__device__ __forceinline__ void merge_in_cluster(int num_parts, bool attended, int rows_valid, const float* row_lse,
                                                  RowOut row_out, OutRow out_row) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // clusters: Hopper and newer (the plan never asks before)
   cluster_sync_shared();  // every partition's row_out and row_lse are written
   if (num_parts <= 2) {
-    merge_items<HEAD, P, 2>(num_parts, rows_valid, row_lse, row_out, out_row);
+    merge_items<HEAD, P, 2>(num_parts, attended, rows_valid, row_lse, row_out, out_row);
   } else if (num_parts <= 4) {
-    merge_items<HEAD, P, 4>(num_parts, rows_valid, row_lse, row_out, out_row);
+    merge_items<HEAD, P, 4>(num_parts, attended, rows_valid, row_lse, row_out, out_row);
   } else {
-    merge_items<HEAD, P, kMaxClusterSize>(num_parts, rows_valid, row_lse, row_out, out_row);
+    merge_items<HEAD, P, kMaxClusterSize>(num_parts, attended, rows_valid, row_lse, row_out, out_row);
   }
   cluster_sync_exit();  // no block exits while another still reads its shared memory
 #endif
@@ -238,8 +238,7 @@ __device__ __forceinline__ void merge_in_cluster(int num_parts, int rows_valid, 
 
 // SLICES: 16-token slices a warp takes at a time (1 or 2; the plan's `slices`). Two give twice the independent
 // mma chains in flight and one softmax update per 32 tokens, for the large groups that are bound by issue
-// latency; a kernel of its own, so the one-slice kernel keeps its registers and code. SWIZZLED: the
-// shared-memory layout (MmaLayout).
+// latency; a kernel of its own, so the one-slice kernel keeps its registers. SWIZZLED: the layout (MmaLayout).
 template <typename T, int HEAD, int SLICES, bool SWIZZLED>
 __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
     paged_attention_mma_kernel(const tpkit_paged_attention_args p) {
@@ -576,7 +575,8 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
       acc.w += x.w;
     }
     const float sum = row_l[r];
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    // Zeros only where the partition holds no key (seq_len 0): a NaN sum stays NaN.
+    const float inv = end > start ? 1.f / sum : 0.f;
     acc.x *= inv;
     acc.y *= inv;
     acc.z *= inv;
@@ -587,14 +587,14 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
     } else if (cluster) {
       // Kept for the cluster's merge: each (r, d) is this thread's alone, so it overwrites what it read.
       *reinterpret_cast<float4*>(src) = acc;
-      if (d == 0) row_lse[r] = sum > 0.f ? row_m[r] + log2f(sum) : -INFINITY;
+      if (d == 0) row_lse[r] = end > start ? row_m[r] + log2f(sum) : -INFINITY;
     } else {
       const int64_t row_index = (static_cast<int64_t>(seq) * p.num_heads + head) * p.num_partitions + partition;
       *reinterpret_cast<float4*>(p.tmp_out + row_index * HEAD + d) = acc;
-      if (d == 0) p.tmp_lse[row_index] = sum > 0.f ? row_m[r] + log2f(sum) : -INFINITY;
+      if (d == 0) p.tmp_lse[row_index] = end > start ? row_m[r] + log2f(sum) : -INFINITY;
     }
   }
-  if (cluster) merge_in_cluster<HEAD, float>(p.num_partitions, rows_valid, row_lse, row_out, out_row);
+  if (cluster) merge_in_cluster<HEAD, float>(p.num_partitions, seq_len > 0, rows_valid, row_lse, row_out, out_row);
 }
 
 }  // namespace tpkit

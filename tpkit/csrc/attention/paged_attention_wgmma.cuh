@@ -325,8 +325,9 @@ __global__ void __launch_bounds__(kWgmmaThreads * WARPGROUPS, WARPGROUPS == 1 ? 
     const int r = half == 0 ? row0 : row1;
     if (r >= rows_valid) continue;
     const float sum = half == 0 ? l0 : l1;
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    const float lse = sum > 0.f ? (half == 0 ? m0 : m1) + log2f(sum) : -INFINITY;
+    // Zeros only where the partition holds no key (seq_len 0): a NaN sum stays NaN.
+    const float inv = end > start ? 1.f / sum : 0.f;
+    const float lse = end > start ? (half == 0 ? m0 : m1) + log2f(sum) : -INFINITY;
     const int head = head0 + r;
     if (!split) {
       T* out = out_row(r);
@@ -356,7 +357,7 @@ __global__ void __launch_bounds__(kWgmmaThreads * WARPGROUPS, WARPGROUPS == 1 ? 
     }
   }
   if (cluster) {
-    merge_in_cluster<kWgmmaHead, T>(p.num_partitions, rows_valid, row_lse,
+    merge_in_cluster<kWgmmaHead, T>(p.num_partitions, seq_len > 0, rows_valid, row_lse,
                                     [&](int r) { return partial + r * kPartialStride; }, out_row);
   }
 #else

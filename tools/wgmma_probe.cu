@@ -1,4 +1,4 @@
-// The kernel and binding of benchmarks/wgmma_probe.py (built there with torch.utils.cpp_extension.load).
+// The kernel and binding of tools/wgmma_probe.py (built there with torch.utils.cpp_extension.load).
 #include <c10/cuda/CUDAException.h>
 #include <cuda_bf16.h>
 #include <torch/extension.h>

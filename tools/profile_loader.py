@@ -1,6 +1,6 @@
-"""Where tpkit's loading into a GPU spends its time (GPU machine).
+"""Where tpkit's loading into a GPU spends its time (on a GPU).
 
-    PYTHONPATH=. python3 benchmarks/profile_loader.py [--variant NAME:ENV=VALUE,...] [--size-gb 2]
+    PYTHONPATH=. python3 tools/profile_loader.py [--variant NAME:ENV=VALUE,...] [--size-gb 2]
 
 Makes the Llama-shaped checkpoint of ``bench_loader.py``, reads it into the page cache, then for each
 variant (environment settings, e.g. ``t4:TPKIT_LOAD_THREADS=4``) starts a fresh process that builds a tpkit
@@ -40,7 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 DEFAULT_VARIANTS = ["t1:TPKIT_LOAD_THREADS=1", "t2:TPKIT_LOAD_THREADS=2", "t4:TPKIT_LOAD_THREADS=4",
                     "staged-t4:TPKIT_LOAD_THREADS=4,TPKIT_LOAD_DMA=0"]

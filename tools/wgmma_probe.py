@@ -1,8 +1,8 @@
-"""Checks tpkit/csrc/wgmma.cuh on a Hopper GPU (sm_90a): S = Q K^T and O = bf16(S) V for one
+"""Checks tpkit/csrc/common/wgmma.cuh on a Hopper GPU (sm_90a): S = Q K^T and O = bf16(S) V for one
 64-row, 64-token, head-128 tile, through the shared-memory layout and descriptors the header documents,
 against torch in float32. Prints the largest errors and exits non-zero when they are off.
 
-    PYTHONPATH=. python3 benchmarks/wgmma_probe.py
+    PYTHONPATH=. python3 tools/wgmma_probe.py
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from torch.utils.cpp_extension import load
 
 HERE = Path(__file__).resolve().parent
-CSRC = HERE.parent / "tpkit" / "attention" / "csrc"
+CSRC = HERE.parent / "tpkit" / "csrc" / "common"
 
 
 def main() -> int:

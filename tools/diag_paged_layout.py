@@ -1,12 +1,12 @@
-"""tpkit's paged attention with other page sizes and page orders than the benchmark's (GPU machine).
+"""tpkit's paged attention with other page sizes and page orders than the benchmark's (on a GPU).
 
-    PYTHONPATH=<tree> python3 benchmarks/diag_paged_layout.py C6:16:random C6:16:in-order C6:32:random
+    PYTHONPATH=. python3 tools/diag_paged_layout.py C6:16:random C6:16:in-order C6:32:random
 
 Each case is CONFIG:BLOCK_SIZE:ORDER, CONFIG one of bench_paged_attention.py's (C1..C6, or G48L = bf16
 B=16 L=16384 Hq=48 Hkv=1, S64 = fp16 B=8 L=64 Hq=48 Hkv=1), BLOCK_SIZE 8, 16 or 32, ORDER ``random`` (the
 benchmark's permutation of the pages) or ``in-order`` (each sequence's pages consecutive in memory).
 Inputs, rotation and timing are the benchmark's own; one line a case: time, GB/s, and the error against its
-float32 reference (which shows where a diagnostic tree of make_diag_trees.py computes nothing right).
+float32 reference.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import bench_paged_attention as bench  # noqa: E402
 
 CONFIGS = {c.name: c for c in bench.CONFIGS}

@@ -1,15 +1,14 @@
-"""Interleaved timing of the paged-attention kernels built from several source trees (GPU machine).
+"""Interleaved timing of the paged-attention kernels built from several source trees (on a GPU).
 
-    python3 benchmarks/compare_builds.py --tree v13=benchmarks/_trees/v13 --tree new=. --rounds 2 -- \
+    git archive main tpkit | tar -x -C /tmp/main
+    python3 tools/compare_builds.py --tree main=/tmp/main --tree new=. --rounds 2 -- \
         --impls tpkit --flex-budget-s 0 --config S64:fp16:8:64:48:1
 
-A tree is a directory holding a ``tpkit`` package, e.g. ``git archive <rev> tpkit | tar -x -C <dir>``; on
-the device machine it must lie inside the repository (untracked, not ignored) to be copied there. Every
-tree's extension is built into its own TORCH_EXTENSIONS_DIR, all at once; then
-``bench_paged_attention.py`` runs once per tree per round with that tree first on PYTHONPATH, the trees
-taking turns (in the reverse order every other round), so drifts of the GPU's clock and of the machine hit
-them alike. Prints, per configuration and tree, the mean time in us and each run's; the JSON of every run
-is kept under ``--out``.
+A tree is a directory holding a ``tpkit`` package. Every tree's extension is built into its own
+TORCH_EXTENSIONS_DIR, all at once; then ``benchmarks/bench_paged_attention.py`` runs once per tree per round
+with that tree first on PYTHONPATH, the trees taking turns (in the reverse order every other round), so
+drifts of the GPU's clock and of the machine hit them alike. Prints, per configuration and tree, the mean
+time in us and each run's; the JSON of every run is kept under ``--out``.
 """
 
 from __future__ import annotations
@@ -80,6 +79,8 @@ def main() -> int:
             print(f"round {round_index + 1}, {name}: rc {rc}", flush=True)
             if rc == 0:
                 for row in json.loads(result.read_text()):
+                    if row["t_us"] is None:  # an implementation that did not run (its status says why)
+                        continue
                     column = name if row["impl"] == "tpkit" else f"{row['impl']} ({name})"
                     times[row["config"]][column].append(row["t_us"])
     columns = list(dict.fromkeys(column for per_config in times.values() for column in per_config))

@@ -2,10 +2,10 @@
 configuration, for a profiler to attach to.
 
     ncu --clock-control none --section SpeedOfLight --section WarpStateStats -k regex:paged_attention \
-        --launch-skip 2 --launch-count 2 python3 benchmarks/profile_paged_attention.py --only C6
+        --launch-skip 2 --launch-count 2 python3 tools/profile_paged_attention.py --only C6
     ncu --clock-control none --metrics dram__sectors_read.sum,lts__t_sectors_srcunit_tex_op_read.sum \
         -k regex:cudnn --launch-skip 2 --launch-count 1 \
-        python3 benchmarks/profile_paged_attention.py --only C1 --impl sdpa-cudnn
+        python3 tools/profile_paged_attention.py --only C1 --impl sdpa-cudnn
 
 The configurations, data and block tables are bench_paged_attention's; tpkit's launch plan is printed first.
 """
@@ -13,11 +13,22 @@ The configurations, data and block tables are bench_paged_attention's; tpkit's l
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
-from bench_paged_attention import CONFIGS, SDPA_BACKENDS, _gather, _make_set, _parse_config, _sdpa_call
 
 from tpkit.ops import _extension, paged_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from bench_paged_attention import (  # noqa: E402
+    CONFIGS,
+    SDPA_BACKENDS,
+    _gather,
+    _make_set,
+    _parse_config,
+    _sdpa_call,
+)
 
 
 def main() -> None:

@@ -1,0 +1,207 @@
+"""A seeded fuzz of the CUDA paged-attention kernel over the whole supported space, against the reference.
+
+Each case draws a dtype (float16, bfloat16, float32), a head size, a block size (8, 16, 32), a group size
+from 1 to 64 (powers of two or not), 1-8 KV heads, 1-1024 sequences with ragged lengths from 1 to 2**20
+tokens (under a budget of cache elements), a block table as wide as needed or wider, ALiBi or not, and
+queries scaled for flat or peaked scores. The cache holds random K/V for every token of every sequence and
+NaN everywhere else (unused slots, spare pages, which the unused table entries point at), and the output
+starts as NaN: a read outside a sequence, or a row left unwritten, shows up as NaN. The kernel's output is
+compared with the PyTorch reference on the GPU (float32 arithmetic over the same, exactly rounded inputs)
+within the dtype's tolerance.
+
+The cases run in a worker process, one after another; a case that breaks the process (a launch error
+leaves its CUDA context unusable) is reported as failed and the rest run in a new worker, so one bad
+launch cannot poison the others. The first cases are fixed shapes that once failed to launch. Budget:
+``TPKIT_FUZZ_CASES`` cases (default 1500) from ``TPKIT_FUZZ_SEED`` (default 0); a long run by hand is e.g.
+``TPKIT_FUZZ_CASES=20000 TPKIT_FUZZ_SEED=1 python -m pytest tests/test_paged_attention_fuzz_cuda.py -s``.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+CASES = int(os.environ.get("TPKIT_FUZZ_CASES", "1500"))
+SEED = int(os.environ.get("TPKIT_FUZZ_SEED", "0"))
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+HEAD_SIZES = (32, 64, 80, 96, 112, 120, 128, 192, 256)
+BLOCK_SIZES = (8, 16, 32)
+MAX_SEQS = 1024
+CASE_TIMEOUT_S = 60  # a case takes well under a second
+MAX_LEN = 1 << 20
+# Elements of one cache (tokens x num_kv_heads x head_size): 256 MiB in float32.
+CACHE_ELEMENTS = 1 << 26
+# (atol, rtol) against the float32 reference: output rounding, P rounded to the dtype for P V, and float32
+# sums over up to 2**20 tokens in another order.
+TOLERANCES = {torch.float32: (2e-4, 2e-4), torch.float16: (2e-3, 4e-3), torch.bfloat16: (1e-2, 1.6e-2)}
+# One sequence of 131072 tokens on one KV head, 4, 8 and 48 query heads: plans that once asked for a
+# cluster of 228 blocks.
+FIXED_CASES = tuple(
+    {"dtype": "bfloat16", "head_size": 128, "block_size": 16, "num_heads": num_heads, "num_kv_heads": 1,
+     "seq_lens": [131072], "extra_width": 0, "alibi": False, "q_scale": 1.0}
+    for num_heads in (8, 4, 48))
+
+
+def draw_case(seed: int, index: int) -> dict:
+    """Case ``index`` of the fuzz seeded with ``seed``: the same case in every process."""
+    if index < len(FIXED_CASES):
+        return dict(FIXED_CASES[index])
+    rng = random.Random(f"{seed}:{index}")
+    head_size = rng.choice(HEAD_SIZES)
+    block_size = rng.choice(BLOCK_SIZES)
+    num_kv_heads = rng.choice((1, 1, 2, 3, 4, 8))
+    num_heads = rng.randint(1, 64) * num_kv_heads
+    num_seqs = round(2 ** rng.uniform(0, math.log2(MAX_SEQS)))
+    max_len = round(2 ** rng.uniform(0, math.log2(MAX_LEN)))
+    style = rng.choice(("ragged", "ragged", "equal", "one_long"))
+    if style == "equal":
+        seq_lens = [max_len] * num_seqs
+    elif style == "one_long":
+        seq_lens = [max_len] + [rng.randint(1, max(1, max_len // 64)) for _ in range(num_seqs - 1)]
+    else:
+        seq_lens = [rng.randint(1, max_len) for _ in range(num_seqs)]
+    # Under the budget: fewer sequences first, then a shorter one.
+    per_token = num_kv_heads * head_size
+    while len(seq_lens) > 1 and sum(seq_lens) * per_token > CACHE_ELEMENTS:
+        seq_lens.pop()
+    seq_lens[0] = min(seq_lens[0], CACHE_ELEMENTS // per_token)
+    pages = -(-max(seq_lens) // block_size)
+    return {"dtype": rng.choice(list(DTYPES)), "head_size": head_size, "block_size": block_size,
+            "num_heads": num_heads, "num_kv_heads": num_kv_heads, "seq_lens": seq_lens,
+            "extra_width": rng.choice((0, 0, 1, 3, rng.randint(0, pages))), "alibi": rng.random() < 0.5,
+            "q_scale": rng.choice((1.0, 1.0, 4.0))}
+
+
+def _alibi_slopes(num_heads: int, device: torch.device) -> torch.Tensor:
+    """The geometric ALiBi slopes of the ALiBi paper, float32 [num_heads]."""
+    return torch.tensor([2.0 ** (-8.0 * (i + 1) / num_heads) for i in range(num_heads)], dtype=torch.float32,
+                        device=device)
+
+
+def _make_inputs(case: dict, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """query [num_seqs, num_heads, head_size]; caches [num_blocks, block_size, num_kv_heads, head_size]
+    with NaN in every slot no sequence holds; block_tables int32 [num_seqs, pages + extra_width] (a random
+    permutation of the pages; unused entries point at spare NaN pages); seq_lens int32 [num_seqs]."""
+    dev = torch.device("cuda")
+    dtype = DTYPES[case["dtype"]]
+    block_size, num_kv_heads, head_size = case["block_size"], case["num_kv_heads"], case["head_size"]
+    lens = torch.tensor(case["seq_lens"], dtype=torch.int64, device=dev)  # [num_seqs]
+    pages = (lens + block_size - 1) // block_size  # [num_seqs]
+    total_pages = int(pages.sum())
+    spare_pages = 3
+    num_blocks = total_pages + spare_pages
+    perm = torch.randperm(num_blocks, device=dev, generator=generator).to(torch.int32)
+    used, spare = perm[:total_pages], perm[total_pages:]
+    width = int(pages.max()) + case["extra_width"]
+    num_seqs = len(case["seq_lens"])
+    pick = torch.randint(0, spare_pages, (num_seqs, width), device=dev, generator=generator)
+    block_tables = spare[pick]  # [num_seqs, width]
+    seq_of_page = torch.repeat_interleave(torch.arange(num_seqs, device=dev), pages)  # [total_pages]
+    first_page = torch.cumsum(pages, 0) - pages  # [num_seqs]
+    page_in_seq = torch.arange(total_pages, device=dev) - first_page[seq_of_page]
+    block_tables[seq_of_page, page_in_seq] = used
+    tokens = torch.zeros(num_blocks, dtype=torch.int64, device=dev)  # valid slots of each block
+    tokens[used.long()] = (lens[seq_of_page] - page_in_seq * block_size).clamp(max=block_size)
+    valid = torch.arange(block_size, device=dev)[None, :] < tokens[:, None]  # [num_blocks, block_size]
+    shape = (num_blocks, block_size, num_kv_heads, head_size)
+    caches = [torch.randn(shape, dtype=dtype, device=dev, generator=generator)
+              .masked_fill_(~valid[:, :, None, None], float("nan")) for _ in range(2)]
+    query = (torch.randn(num_seqs, case["num_heads"], head_size, device=dev, generator=generator)
+             * case["q_scale"]).to(dtype)
+    return query, caches[0], caches[1], block_tables, lens.to(torch.int32)
+
+
+def run_case(case: dict, seed: int) -> dict:
+    """Runs one case on the GPU: {"ok", "detail"}; raises where CUDA fails (the worker then exits)."""
+    from tpkit.ops import _extension
+    from tpkit.ops.paged_attention_reference import paged_attention_reference
+
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    query, key_cache, value_cache, block_tables, seq_lens = _make_inputs(case, generator)
+    dtype, head_size = query.dtype, case["head_size"]
+    scale = head_size ** -0.5
+    slopes = _alibi_slopes(case["num_heads"], query.device) if case["alibi"] else None
+    expected = torch.empty(query.shape, dtype=torch.float32, device=query.device)
+    paged_attention_reference(expected, query.float(), key_cache.float(), value_cache.float(), block_tables,
+                              seq_lens, scale, slopes)
+    out = torch.full_like(query, float("nan"))
+    if not _extension.paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
+                                      slopes):
+        return {"ok": False, "detail": "the CUDA extension did not build"}
+    torch.cuda.synchronize()
+    atol, rtol = TOLERANCES[dtype]
+    excess = ((out.float() - expected).abs() - rtol * expected.abs()) / atol  # <= 1 within tolerance
+    nan_rows = int(out.isnan().any(-1).sum())
+    worst = float(excess.nan_to_num(float("inf")).max())
+    plan = _extension.launch_plan(query, key_cache, block_tables)
+    ok = nan_rows == 0 and worst <= 1.0
+    return {"ok": ok, "detail": f"{nan_rows} NaN rows, error {worst:.2f} x tolerance, plan {plan}"}
+
+
+def _worker(seed: int, start: int, stop: int) -> None:
+    """Runs cases start..stop-1, one JSON line before and after each; exits at the first CUDA failure."""
+    for index in range(start, stop):
+        print(json.dumps({"index": index, "started": True}), flush=True)
+        faulthandler.dump_traceback_later(CASE_TIMEOUT_S, exit=True)  # a hung case ends the worker
+        result = run_case(draw_case(seed, index), seed * 1_000_003 + index)
+        faulthandler.cancel_dump_traceback_later()
+        print(json.dumps({"index": index, **result}), flush=True)
+
+
+def _summary(case: dict) -> str:
+    lens = case["seq_lens"]
+    return (f"{case['dtype']} head {case['head_size']} block {case['block_size']} "
+            f"{case['num_heads']}:{case['num_kv_heads']} {len(lens)} seqs of {min(lens)}-{max(lens)} tokens, "
+            f"table +{case['extra_width']}, alibi {case['alibi']}, q x{case['q_scale']}")
+
+
+def test_paged_attention_fuzz() -> None:
+    t0 = time.perf_counter()
+    failures: list[str] = []
+    start = 0
+    while start < CASES:
+        timeout = 60 + CASE_TIMEOUT_S * (CASES - start)  # the worker's own watchdog ends a hung case first
+        cmd = [sys.executable, os.path.abspath(__file__), str(SEED), str(start), str(CASES)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            stdout, stderr, code = proc.stdout, proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired as exc:
+            stdout, stderr, code = exc.stdout or "", exc.stderr or "", "timeout"
+            stdout = stdout.decode() if isinstance(stdout, bytes) else stdout
+            stderr = stderr.decode() if isinstance(stderr, bytes) else stderr
+        last_started, last_done = start - 1, start - 1
+        records = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+        tail = " | ".join(stderr.strip().splitlines()[-3:])
+        assert records, f"the fuzz worker ran no case ({code}): {tail}"
+        for record in records:
+            if record.get("started"):
+                last_started = record["index"]
+                continue
+            last_done = record["index"]
+            if not record["ok"]:
+                failures.append(f"case {last_done}: {_summary(draw_case(SEED, last_done))}: "
+                                f"{record['detail']}")
+        if last_done == CASES - 1:
+            break
+        crashed = max(last_started, last_done + 1)
+        failures.append(f"case {crashed}: {_summary(draw_case(SEED, crashed))}: worker ended ({code}): "
+                        f"{tail}")
+        start = crashed + 1
+    print(f"paged-attention fuzz: {CASES} cases (seed {SEED}) in {time.perf_counter() - t0:.1f} s, "
+          f"{len(failures)} failed")
+    assert not failures, f"{len(failures)} of {CASES} cases failed:\n" + "\n".join(failures[:20])
+
+
+if __name__ == "__main__":
+    _worker(*(int(arg) for arg in sys.argv[1:4]))
