@@ -419,7 +419,7 @@ def test_llama_decode_steps_with_the_norms_in_the_products() -> None:
               "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 256,
               "max_position_embeddings": 64}
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config, dtype=torch.bfloat16, device="cuda", tp_group=TPGroup(None, 0, 1))
+    model = LlamaForCausalLM(config, dtype=torch.bfloat16, device="cuda", tp_group=TPGroup(None, 0, 1)).eval()
     for name, param in model.named_parameters():
         if "norm" in name:
             param.uniform_(0.5, 1.5)
