@@ -23,7 +23,7 @@ from transformers.generation.logits_process import (
 
 from tpkit.models import LlamaForCausalLM, from_pretrained
 from tpkit.models.cuda_graph import StaticDecodeStep
-from tpkit.models.generation import Sampler, filter_logits, greedy_tokens
+from tpkit.models.sampling import Sampler, filter_logits, greedy_tokens
 from tpkit.parallel_layers import TPGroup, launch
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [20], [30, 31, 32, 33, 34, 35, 36]]

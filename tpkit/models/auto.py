@@ -17,9 +17,10 @@ import torch.distributed as dist
 
 from tpkit.loaders import CheckpointError, checkpoint_file, iter_weights, resolve_checkpoint
 from tpkit.models.bart import BartForConditionalGeneration
-from tpkit.models.generation import PagedLM, parse_eos_token_ids
+from tpkit.models.generation import PagedLM
 from tpkit.models.gpt_bigcode import GPTBigCodeForCausalLM
 from tpkit.models.llama import LlamaForCausalLM
+from tpkit.models.prompts import parse_eos_token_ids
 from tpkit.parallel_layers import TPGroup, get_tp_group, skip_init
 
 MODEL_CLASSES: dict[str, type[PagedLM]] = {

@@ -28,7 +28,8 @@ from tpkit.loaders import load_weights
 from tpkit.models.activations import get_activation
 from tpkit.models.config_checks import BART, check_config
 from tpkit.models.dropout import attend
-from tpkit.models.generation import PagedLM, check_input_ids, parse_eos_token_ids, right_pad
+from tpkit.models.generation import PagedLM
+from tpkit.models.prompts import check_input_ids, parse_eos_token_ids, right_pad
 from tpkit.models.sequence_parallel import check_sequence_parallel, exit_sequence_parallel, mark_norms
 from tpkit.ops import decode_linear
 from tpkit.parallel_layers import (

@@ -1,4 +1,4 @@
-"""Generation on a paged KV cache: the one loop and the one sampler that every tpkit model uses.
+"""Generation on a paged KV cache: the one loop that every tpkit model uses (its sampler: ``sampling.py``).
 
 A batch of ragged prompts runs together: the prefill, in packed steps of the prompts' tokens (one step, or
 chunks of at most ``max_prefill_tokens`` tokens; with ``prefix_caching`` a prompt's first blocks that are
@@ -17,8 +17,6 @@ Models plug in through :class:`PagedLM`'s hooks; decoder-only models get them al
 from __future__ import annotations
 
 import functools
-import math
-import operator
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -26,82 +24,18 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from tpkit.attention import AttentionMetadata, PagedKVCache
 from tpkit.models.cuda_graph import DecodeGraph
+from tpkit.models.prompts import Prompts, check_input_ids, check_prompts, parse_eos_token_ids
+from tpkit.models.sampling import Sampler, greedy_tokens
 from tpkit.models.sequence_parallel import NO_GENERATION
 from tpkit.parallel_layers import check_ranks_agree
 
-Prompts = Sequence[Sequence[int]] | torch.Tensor
 # Captured decode graphs a model keeps (one per batch size, block-table width and step variant).
 _MAX_GRAPHS = 8
 StepFn = Callable[[torch.Tensor, Mapping[str, AttentionMetadata], Sequence[int]], torch.Tensor]
-
-
-def parse_eos_token_ids(value: Any) -> tuple[int, ...]:
-    """``eos_token_id`` of a config.json or generation_config.json (an int, a list of ints or null) as a
-    tuple; anything else (``"12"``, ``12.0``, ``true``) is a ValueError."""
-    if value is None:
-        return ()
-    ids = list(value) if isinstance(value, (list, tuple)) else [value]
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ids):
-        raise ValueError(f"eos_token_id: expected a token id (an int >= 0), a list of them or null, got "
-                         f"{value!r}")
-    return tuple(ids)
-
-
-def check_prompts(prompts: Prompts, vocab_size: int) -> list[list[int]]:
-    """Validate a batch of prompts (token-id lists, or a 2-D integer tensor) and return it as lists."""
-    if isinstance(prompts, torch.Tensor):
-        if prompts.dim() != 2 or prompts.dtype.is_floating_point or prompts.dtype == torch.bool:
-            raise ValueError(f"prompts as a tensor must be 2-D integer [batch, seq], got {prompts.dtype} "
-                             f"{tuple(prompts.shape)}")
-        token_lists = prompts.tolist()
-    elif isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-        raise TypeError(f"prompts must be a list of token-id lists or a 2-D tensor, got "
-                        f"{type(prompts).__name__}")
-    else:
-        token_lists = []
-        for i, prompt in enumerate(prompts):
-            if isinstance(prompt, torch.Tensor) and prompt.dim() == 1:
-                prompt = prompt.tolist()
-            if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
-                raise TypeError(f"prompts[{i}] must be a list of token ids, got {type(prompt).__name__}")
-            token_lists.append(list(prompt))
-    if not token_lists:
-        raise ValueError("prompts is empty: expected at least one prompt")
-    for i, ids in enumerate(token_lists):
-        if not ids:
-            raise ValueError(f"prompts[{i}] is empty: every prompt needs at least one token")
-        token_lists[i] = ids = [_as_token_id(t, i) for t in ids]
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"prompts[{i}] has token ids outside [0, {vocab_size}): {bad[:5]}")
-    return token_lists
-
-
-def _as_token_id(token: Any, prompt_index: int) -> int:
-    # operator.index takes Python, NumPy and 0-d tensor integers alike, and refuses floats.
-    try:
-        if isinstance(token, bool):
-            raise TypeError
-        return operator.index(token)
-    except TypeError:
-        raise TypeError(f"prompts[{prompt_index}] must hold integer token ids, got {token!r}") from None
-
-
-def check_input_ids(name: str, input_ids: object, max_positions: int, key: str) -> None:
-    """A full forward's ``input_ids``: a ``[batch, seq]`` tensor of at most ``max_positions`` (config
-    ``key``) tokens a sequence; the embedding checks the ids themselves."""
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-        shape = list(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
-        raise ValueError(f"{name}: expected a [batch, seq] tensor of token ids, got {shape}")
-    if input_ids.shape[1] > max_positions:
-        raise ValueError(f"{name}: expected at most {max_positions} tokens a sequence (the model's {key}), "
-                         f"got {input_ids.shape[1]}")
-
 
 def _one_call_at_a_time(generate: Callable) -> Callable:
     """``generate`` of a model refuses to start while the same model is generating in another thread: the
@@ -122,105 +56,6 @@ def _one_call_at_a_time(generate: Callable) -> Callable:
             self._generating = False
 
     return exclusive
-
-
-def filter_logits(logits: torch.Tensor, temperature: float, top_k: int | None,
-                  top_p: float | None) -> torch.Tensor:
-    """float32 logits ``[batch, vocab]`` scaled by temperature, then top-k, then top-p (transformers' order);
-    filtered-out entries are -inf. top-p keeps the smallest set whose probability exceeds top_p, at least one.
-    """
-    logits = logits.float() / temperature
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # [batch, 1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, sorted_idx = torch.sort(logits, dim=-1)  # ascending
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        remove_sorted = cumulative <= 1.0 - top_p
-        remove_sorted[..., -1] = False
-        remove = remove_sorted.scatter(-1, sorted_idx, remove_sorted)
-        logits = logits.masked_fill(remove, float("-inf"))
-    return logits
-
-
-_ARGMAX_CHUNK = 256  # vocabulary entries a first-pass maximum covers
-
-
-def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """``logits.argmax(-1)`` of ``[batch, vocab]`` logits as int64 ``[batch]``, in two passes: the maximum of
-    each chunk of ``_ARGMAX_CHUNK`` entries, then the best chunk. On a GPU torch's argmax gives each row to
-    one thread block, which leaves the GPU nearly idle for a decode step's few rows (a batch of 8 of
-    Llama-3's 128256 logits in bf16: 36.8 us on the H200, every step). Ties go to the first index, as
-    argmax's do: the first maximum of the first chunk holding one."""
-    batch, vocab = logits.shape
-    pad = -vocab % _ARGMAX_CHUNK
-    if pad:
-        logits = nn.functional.pad(logits, (0, pad), value=float("-inf"))
-    chunks = logits.reshape(batch, -1, _ARGMAX_CHUNK)  # [batch, num_chunks, chunk]
-    chunk_max, chunk_argmax = chunks.max(dim=-1)  # [batch, num_chunks] each
-    best_chunk = chunk_max.argmax(dim=-1, keepdim=True)  # [batch, 1]
-    return (best_chunk * _ARGMAX_CHUNK + chunk_argmax.gather(1, best_chunk)).squeeze(1)
-
-
-class Sampler:
-    """Picks every sequence's next token from its logits; rank 0 draws and broadcasts (see the module doc)."""
-
-    def __init__(self, *, temperature: float, top_k: int | None, top_p: float | None, seed: int | None,
-                 device: torch.device, tp_group: Any) -> None:
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0 \
-                or not math.isfinite(temperature):
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
-        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-            raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
-        if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
-                                  or not 0.0 < top_p <= 1.0):
-            raise ValueError(f"top_p must be None or in (0, 1], got {top_p!r}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-            raise ValueError(f"seed must be None or an int >= 0, got {seed!r}")
-        self.temperature, self.top_k, self.top_p = float(temperature), top_k, top_p
-        self.tp_size = tp_group.size
-        self.group = tp_group.group
-        self.is_source = tp_group.rank == 0
-        self.generator: torch.Generator | None = None
-        if temperature > 0 and self.is_source:
-            self.generator = torch.Generator(device=device)
-            if seed is None:
-                self.generator.seed()
-            else:
-                self.generator.manual_seed(seed)
-
-    @property
-    def is_greedy(self) -> bool:
-        """temperature 0: the draw is the logits' argmax, which needs no generator (a CUDA graph can replay
-        it)."""
-        return self.temperature == 0
-
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits ``[batch, vocab]`` -> int64 token ids ``[batch]``, identical on every rank."""
-        return self.share(self.draw(logits))
-
-    def draw(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits ``[batch, vocab]`` -> int64 token ids ``[batch]``: rank 0's draw (elsewhere uninitialised,
-        until :meth:`share`)."""
-        if not self.is_source:
-            return torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-        if self.is_greedy:
-            return greedy_tokens(logits) if logits.is_cuda else logits.argmax(dim=-1)
-        probs = filter_logits(logits, self.temperature, self.top_k, self.top_p).softmax(dim=-1)
-        return torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
-
-    def share(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Rank 0's ``tokens`` ``[batch]`` on every rank (in place)."""
-        if self.tp_size > 1:
-            dist.broadcast(tokens, group=self.group, group_src=0)
-        return tokens
-
-
-def right_pad(token_lists: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
-    """int64 ``[batch, max_len]``, each row a prompt followed by zeros."""
-    max_len = max(len(ids) for ids in token_lists)
-    return torch.tensor([list(ids) + [0] * (max_len - len(ids)) for ids in token_lists], dtype=torch.int64,
-                        device=device)
 
 
 class PagedLM(nn.Module, ABC):

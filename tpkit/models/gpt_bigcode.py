@@ -25,7 +25,8 @@ from tpkit.loaders import load_weights
 from tpkit.models.activations import get_activation
 from tpkit.models.config_checks import GPT_BIGCODE, check_config
 from tpkit.models.dropout import attend
-from tpkit.models.generation import PagedDecoderOnlyLM, parse_eos_token_ids
+from tpkit.models.generation import PagedDecoderOnlyLM
+from tpkit.models.prompts import parse_eos_token_ids
 from tpkit.models.sequence_parallel import check_sequence_parallel, exit_sequence_parallel, mark_norms
 from tpkit.ops import decode_linear
 from tpkit.parallel_layers import (

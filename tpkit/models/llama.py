@@ -30,7 +30,8 @@ from tpkit.models.activations import get_activation
 from tpkit.models.config_checks import LLAMA, check_config
 from tpkit.models.dropout import attend
 from tpkit.models.fused_decode import fused_decode_applies, fused_decode_step
-from tpkit.models.generation import PagedDecoderOnlyLM, parse_eos_token_ids
+from tpkit.models.generation import PagedDecoderOnlyLM
+from tpkit.models.prompts import parse_eos_token_ids
 from tpkit.models.sequence_parallel import check_sequence_parallel, exit_sequence_parallel, mark_norms
 from tpkit.ops import RMSNorm, RotaryEmbedding, apply_rotary, decode_linear, rope_parameters, silu_and_mul
 from tpkit.parallel_layers import (
