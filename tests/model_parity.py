@@ -34,6 +34,20 @@ def hf_greedy(hf_model, prompts: list[list[int]], max_new_tokens: int) -> list[l
     return outputs
 
 
+def greedy_checkpoints(tmp_path_factory, factories: dict, prompts: list[list[int]], max_new_tokens: int):
+    """``get(name)``: (path, transformers' greedy tokens for ``prompts``) of the checkpoint
+    ``factories[name]`` makes, made on first use."""
+    made = {}
+
+    def get(name: str) -> tuple[str, list[list[int]]]:
+        if name not in made:
+            path = tmp_path_factory.mktemp(name)
+            made[name] = str(path), hf_greedy(factories[name](path), prompts, max_new_tokens)
+        return made[name]
+
+    return get
+
+
 def check_parity(path: str, tp_size: int, forward_args: tuple[torch.Tensor, ...], ref_logits: torch.Tensor,
                  prompts: list[list[int]], ref_tokens: list[list[int]]) -> dict:
     """On every rank: tpkit logits and greedy tokens equal transformers'. Returns the rank's shard sizes."""

@@ -15,7 +15,7 @@ from checkpoints import (
     make_llama_checkpoint,
     random_token_ids,
 )
-from model_parity import hf_greedy
+from model_parity import greedy_checkpoints
 from multirank import device
 
 MAX_NEW_TOKENS = 10
@@ -33,16 +33,7 @@ CHECKPOINTS = {"llama": make_llama_checkpoint, "gpt_bigcode": make_gpt_bigcode_c
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """``checkpoints(name)``: (path, transformers' greedy tokens for PROMPTS), made on first use."""
-    made = {}
-
-    def get(name: str) -> tuple[str, list[list[int]]]:
-        if name not in made:
-            path = tmp_path_factory.mktemp(name)
-            hf_model = CHECKPOINTS[name](path)
-            made[name] = str(path), hf_greedy(hf_model, PROMPTS, MAX_NEW_TOKENS)
-        return made[name]
-
-    return get
+    return greedy_checkpoints(tmp_path_factory, CHECKPOINTS, PROMPTS, MAX_NEW_TOKENS)
 
 
 def _llama(checkpoints):

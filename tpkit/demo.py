@@ -8,8 +8,10 @@
 Without ``--model`` it writes a small Llama checkpoint with random weights (HF format: config.json and
 model.safetensors) to a temporary directory, generates greedily from a batch of ragged prompts and, when
 transformers is installed, checks every token against transformers' own generate. It prints each rank's
-shard, the KV cache blocks and the throughput. With ``--model`` it loads a real checkpoint (a local directory
-or a hub id) with its tokenizer and prints the completions of ``--prompt``.
+shard, the KV cache blocks and the throughput, then runs the same prompts through ``tpkit.serving.Engine``
+(continuous batching, a progress bar as requests finish) and checks its tokens against generate's. With
+``--model`` it loads a real checkpoint (a local directory or a hub id) with its tokenizer and prints the
+completions of ``--prompt``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from tpkit.parallel_layers import (
     launch,
     local_device,
 )
+from tpkit.serving import Engine, SamplingParams
 
 DEMO_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1000, "hidden_size": 256,
@@ -170,6 +173,7 @@ def run_rank(job: Job, device: torch.device | None = None) -> bool:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
+    engine_outputs, engine_seconds = _engine_run(job, model)
 
     params = list(dict.fromkeys(model.parameters()))
     caches = {name: (cache.num_blocks, cache.block_size) for name, cache in model.kv_caches.items()}
@@ -183,8 +187,12 @@ def run_rank(job: Job, device: torch.device | None = None) -> bool:
     if tp.rank != 0:
         return True
     _report(job, model, tp.size, device, shards, outputs, seconds)
+    same = engine_outputs == outputs
+    verdict = "tokens identical to generate" if same else "MISMATCH with generate"
+    print(f"Engine (continuous batching): {sum(len(t) for t in engine_outputs)} tokens in "
+          f"{engine_seconds:.2f} s, {verdict}")
     if job.reference is None:
-        return True
+        return same
     matches = outputs == job.reference
     verdict = "tokens identical" if matches else "MISMATCH"
     print(f"transformers check: {verdict} for all {len(outputs)} prompts ({[len(t) for t in outputs]} "
@@ -193,7 +201,19 @@ def run_rank(job: Job, device: torch.device | None = None) -> bool:
         for i, (ours, theirs) in enumerate(zip(outputs, job.reference, strict=True)):
             if ours != theirs:
                 print(f"  prompt {i}: tpkit {ours}\n            transformers {theirs}")
-    return matches
+    return matches and same
+
+
+def _engine_run(job: Job, model: Any) -> tuple[list[list[int]], float]:
+    """The prompts through ``tpkit.serving.Engine`` (a progress bar as requests finish): tokens, seconds."""
+    cuda = model.device.type == "cuda"
+    engine = Engine(model, kv_cache_memory=0.5 if cuda else 64 << 20, cuda_graph=job.cuda_graph)
+    engine.generate(job.prompts[:1], SamplingParams(2))  # warm-up
+    start = time.perf_counter()
+    outputs = engine.generate(job.prompts, SamplingParams(job.max_new_tokens))
+    if cuda:
+        torch.cuda.synchronize(model.device)
+    return outputs, time.perf_counter() - start
 
 
 def _report(job: Job, model: Any, tp_size: int, device: torch.device, shards: list[dict],

@@ -258,6 +258,17 @@ class BartForConditionalGeneration(PagedLM):
             x = layer(x, key_lens)
         return x
 
+    def encode_packed(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """The encoder over ragged prompts, its tokens packed prompt after prompt (padding dropped), one per
+        slot of a cross cache step: ``[1, sum(prompt lengths), d_model]``."""
+        device = self.device
+        prompt_lens = [len(ids) for ids in prompts]
+        encoder_states = self.encode(right_pad(prompts, device),
+                                     torch.tensor(prompt_lens, device=device))  # [batch, src_len, d_model]
+        src_len = encoder_states.shape[1]
+        index = [i * src_len + j for i, n in enumerate(prompt_lens) for j in range(n)]
+        return encoder_states.flatten(0, 1)[torch.tensor(index, device=device)][None]
+
     def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, encoder_states: torch.Tensor | None,
                caches: Mapping[str, PagedKVCache] | None = None,
                metadata: Mapping[str, AttentionMetadata] | None = None) -> torch.Tensor:
@@ -319,13 +330,7 @@ class BartForConditionalGeneration(PagedLM):
         start tokens: one packed step. Logits of the first new tokens ``[len(seq_ids), vocab]``."""
         device, batch = self.device, len(seq_ids)
         prompt_lens = [len(prompts[i]) for i in seq_ids]
-        encoder_states = self.encode(right_pad([prompts[i] for i in seq_ids], device),
-                                     torch.tensor(prompt_lens, device=device))  # [batch, src_len, d_model]
-        # The encoder's tokens packed (padding dropped), one per slot of the cross cache's prefill:
-        # [1, sum(prompt_lens), d_model].
-        src_len = encoder_states.shape[1]
-        index = [i * src_len + j for i, n in enumerate(prompt_lens) for j in range(n)]
-        encoder_tokens = encoder_states.flatten(0, 1)[torch.tensor(index, device=device)][None]
+        encoder_tokens = self.encode_packed([prompts[i] for i in seq_ids])
         self_metadata = caches["self"].prefill_metadata(seq_ids, [1] * batch)
         # Cross-attention's queries are the decoder's tokens: self-attention's query layout, over the
         # encoder's keys.

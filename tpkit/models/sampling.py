@@ -49,21 +49,26 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return (best_chunk * _ARGMAX_CHUNK + chunk_argmax.gather(1, best_chunk)).squeeze(1)
 
 
+def check_sampling(*, temperature: float, top_k: int | None, top_p: float | None, seed: int | None) -> None:
+    """Sampling settings as :class:`Sampler` takes them, or a ValueError naming the one that is not."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0 \
+            or not math.isfinite(temperature):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
+                              or not 0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p must be None or in (0, 1], got {top_p!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise ValueError(f"seed must be None or an int >= 0, got {seed!r}")
+
+
 class Sampler:
     """Picks every sequence's next token from its logits; rank 0 draws and broadcasts (see the module doc)."""
 
     def __init__(self, *, temperature: float, top_k: int | None, top_p: float | None, seed: int | None,
                  device: torch.device, tp_group: Any) -> None:
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0 \
-                or not math.isfinite(temperature):
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
-        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-            raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
-        if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
-                                  or not 0.0 < top_p <= 1.0):
-            raise ValueError(f"top_p must be None or in (0, 1], got {top_p!r}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-            raise ValueError(f"seed must be None or an int >= 0, got {seed!r}")
+        check_sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         self.temperature, self.top_k, self.top_p = float(temperature), top_k, top_p
         self.tp_size = tp_group.size
         self.group = tp_group.group

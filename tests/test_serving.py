@@ -1,0 +1,222 @@
+"""tpkit.serving's Engine: greedy tokens equal transformers' per prompt whatever the batching (a KV budget
+small enough to preempt, chunked prefill of 16 tokens, shared prefixes, requests added while others run), at
+tp_size 1 and 2, for Llama, GPT-BigCode and BART; seeded sampling reproducible and independent of batching;
+stop tokens, abort, and bad input refused before anything is queued.
+"""
+
+from __future__ import annotations
+
+import pytest
+from checkpoints import (
+    make_bart_checkpoint,
+    make_gpt_bigcode_checkpoint,
+    make_llama_checkpoint,
+    random_token_ids,
+)
+from model_parity import greedy_checkpoints
+from multirank import device
+
+MAX_NEW_TOKENS = 20
+_PREFIX = random_token_ids(256, (37,), seed=5)[0].tolist()
+_OTHERS = [ids.tolist() for ids in random_token_ids(256, (9,), (26,), (3,), seed=6)]
+PROMPTS = [
+    _PREFIX + [50, 51, 52],  # two full blocks of the shared prefix
+    _OTHERS[0],
+    _PREFIX[:20] + [60],  # its first block
+    _OTHERS[1],
+    _PREFIX + [80] * 12,  # its two blocks and a third of its own
+    _OTHERS[2],
+]
+CHECKPOINTS = {"llama": make_llama_checkpoint, "gpt_bigcode": make_gpt_bigcode_checkpoint,
+               "bart": make_bart_checkpoint}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """``checkpoints(name)``: (path, transformers' greedy tokens for PROMPTS), made on first use."""
+    return greedy_checkpoints(tmp_path_factory, CHECKPOINTS, PROMPTS, MAX_NEW_TOKENS)
+
+
+def _block_bytes(model) -> int:
+    """Bytes of one block of every cache of the model (the engine splits its budget evenly among them)."""
+    layout = model.kv_cache_layout()
+    return len(layout) * max(2 * layers * model.kv_block_size * heads * size * model.dtype.itemsize
+                             for layers, heads, size in layout.values())
+
+
+def _model(path: str, tp_size: int = 1):
+    """The model at tp_size 1 in this process, or this rank's shard (``init_tensor_parallel`` first)."""
+    from tpkit.models import from_pretrained
+    from tpkit.parallel_layers import TPGroup
+
+    if tp_size == 1:
+        return from_pretrained(path, tp_group=TPGroup(None, 0, 1), device="cpu")
+    return from_pretrained(path, device=device())
+
+
+def _stream(engine, prompts, sampling, add_after: int) -> list[list[int]]:
+    """The first ``add_after`` prompts queued, two steps run, then the rest queued while those run."""
+    ids = [engine.add_request(p, sampling) for p in prompts[:add_after]]
+    outputs = {}
+    for _ in range(2):
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    ids += [engine.add_request(p, sampling) for p in prompts[add_after:]]
+    finished = set()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+            assert out.token_ids == outputs[out.request_id]
+            if out.finished:
+                assert out.finish_reason == "length" and out.first_token_time == out.token_times[0]
+                finished.add(out.request_id)
+    assert finished == set(ids)
+    return [outputs[i] for i in ids]
+
+
+def _serve_every_way(path: str, tp_size: int, ref_tokens: list[list[int]], ways: list[str]) -> dict:
+    """On every rank, the engine's tokens in each of ``ways``; returns each way's preemptions."""
+    from tpkit.parallel_layers import init_tensor_parallel
+    from tpkit.serving import Engine, SamplingParams
+
+    if tp_size > 1:
+        init_tensor_parallel(tp_size)
+    model = _model(path, tp_size)
+    sampling = SamplingParams(MAX_NEW_TOKENS, ignore_eos=True)
+    # Room for the longest request and a little more: requests wait for blocks and are preempted.
+    tight = dict(kv_cache_memory=6 * _block_bytes(model), max_num_batched_tokens=64)
+    settings = {"plain": {}, "tight": tight, "chunked": dict(max_num_batched_tokens=16),
+                "tight chunked": {**tight, "max_num_batched_tokens": 16},
+                "streamed": dict(max_num_batched_tokens=64, max_num_seqs=3),
+                "no prefix cache": dict(prefix_caching=False, max_num_seqs=2)}
+    preemptions = {}
+    for way in ways:
+        engine = Engine(model, **settings[way])
+        if way == "streamed":
+            tokens = _stream(engine, PROMPTS, sampling, add_after=2)
+        else:
+            tokens = engine.generate(PROMPTS, sampling)
+        assert tokens == ref_tokens, f"{way}: engine {tokens} != transformers {ref_tokens}"
+        assert not engine.has_unfinished_requests()
+        for cache in engine.runner.caches.values():
+            assert cache.num_free_blocks == cache.num_blocks
+        preemptions[way] = engine.num_preemptions
+    return preemptions
+
+
+ALL_WAYS = ["plain", "tight", "chunked", "tight chunked", "streamed", "no prefix cache"]
+
+
+@pytest.mark.parametrize("name,tp_size,ways", [
+    ("llama", 1, ALL_WAYS),
+    ("gpt_bigcode", 1, ["tight chunked", "streamed"]),
+    ("bart", 1, ["plain", "tight", "streamed"]),
+    ("llama", 2, ["tight chunked"]),
+    ("bart", 2, ["tight"]),
+])
+def test_greedy_tokens_are_transformers_whatever_the_batching(ranks, checkpoints, name, tp_size, ways):
+    path, ref_tokens = checkpoints(name)
+    if tp_size == 1:
+        runs = [_serve_every_way(path, tp_size, ref_tokens, ways)]
+    else:
+        runs = ranks.run(tp_size, _serve_every_way, path, tp_size, ref_tokens, ways)
+    assert all(run == runs[0] for run in runs)
+    if name != "bart":  # BART's decoder needs two blocks a request: its requests wait, none is preempted
+        assert runs[0]["tight chunked"] > 0
+
+
+def _llama_engine(checkpoints, **kwargs):
+    from tpkit.serving import Engine
+
+    path, ref_tokens = checkpoints("llama")
+    return Engine(_model(path), **kwargs), ref_tokens
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_batching(checkpoints):
+    from tpkit.serving import SamplingParams
+
+    sampling = [SamplingParams(MAX_NEW_TOKENS, temperature=1.5, top_k=50, top_p=0.95, seed=i, ignore_eos=True)
+                for i in range(len(PROMPTS))]
+    engine, _ = _llama_engine(checkpoints)
+    together = engine.generate(PROMPTS, sampling)
+    assert engine.generate(PROMPTS, sampling) == together
+    alone = [engine.generate([p], s)[0] for p, s in zip(PROMPTS, sampling, strict=True)]
+    assert alone == together
+    small, _ = _llama_engine(checkpoints, max_num_batched_tokens=16,
+                             kv_cache_memory=6 * _block_bytes(engine.model))
+    assert small.generate(PROMPTS[::-1], sampling[::-1]) == together[::-1]
+    reseeded = [SamplingParams(MAX_NEW_TOKENS, temperature=1.5, seed=100 + i, ignore_eos=True)
+                for i in range(len(PROMPTS))]
+    assert engine.generate(PROMPTS, reseeded) != together
+
+
+def test_stop_tokens_and_eos_end_a_request_with_the_token_kept(checkpoints):
+    from tpkit.serving import SamplingParams
+
+    engine, ref_tokens = _llama_engine(checkpoints)
+    stop = ref_tokens[0][5]
+    first = ref_tokens[0].index(stop)
+    assert engine.generate([PROMPTS[0]], SamplingParams(MAX_NEW_TOKENS, stop_token_ids=[stop])) == \
+        [ref_tokens[0][:first + 1]]
+    engine._eos = frozenset([stop])  # the model's EOS, unless ignore_eos
+    request_id = engine.add_request(PROMPTS[0], SamplingParams(MAX_NEW_TOKENS))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert outputs[-1].request_id == request_id and outputs[-1].finish_reason == "stop"
+    assert outputs[-1].token_ids == ref_tokens[0][:first + 1]
+
+
+def test_abort_ends_a_request_and_frees_its_blocks(checkpoints):
+    from tpkit.serving import SamplingParams
+
+    engine, ref_tokens = _llama_engine(checkpoints)
+    sampling = SamplingParams(MAX_NEW_TOKENS, ignore_eos=True)
+    kept, aborted, waiting = (engine.add_request(p, sampling) for p in PROMPTS[:3])
+    engine.step()
+    engine.step()
+    assert engine.abort(aborted) and engine.abort(waiting)
+    assert not engine.abort(aborted)
+    outputs = engine.step()
+    assert [(o.request_id, o.finished, o.finish_reason, o.new_token_ids) for o in outputs[:2]] == [
+        (aborted, True, "abort", []), (waiting, True, "abort", [])]
+    tokens = [t for o in outputs for t in o.new_token_ids if o.request_id == kept]
+    while engine.has_unfinished_requests():
+        tokens += [t for o in engine.step() for t in o.new_token_ids]
+    assert len(tokens) == MAX_NEW_TOKENS - 2 and tokens == ref_tokens[0][2:]
+    cache = engine.runner.caches["self"]
+    assert cache.num_free_blocks == cache.num_blocks
+
+
+def test_bad_input_is_refused_before_anything_is_queued(checkpoints):
+    from tpkit.serving import Engine, SamplingParams
+
+    engine, _ = _llama_engine(checkpoints, kv_cache_memory=4 * 16384)  # 4 blocks
+    sampling = SamplingParams(4)
+    cases = [
+        ([], ValueError, r"prompts\[\d\] is empty"),
+        ([3, 256], ValueError, r"token ids outside \[0, 256\): \[256\]"),
+        ([3] * 254, ValueError, "exceeds the model's 256 positions"),
+        ([3] * 80, ValueError, "needs 83 tokens of the 'self' KV cache, which holds 64"),
+    ]
+    for prompt, error, match in cases:
+        with pytest.raises(error, match=match):
+            engine.add_request(prompt, sampling)
+        with pytest.raises(error, match=match):
+            engine.generate([[5, 6], prompt], sampling)
+        assert not engine.has_unfinished_requests()
+    for kwargs, match in [(dict(max_new_tokens=0), "max_new_tokens: expected an int >= 1, got 0"),
+                          (dict(max_new_tokens=2, temperature=-1.0), "temperature must be"),
+                          (dict(max_new_tokens=2, stop_token_ids=[-1]), "stop_token_ids")]:
+        with pytest.raises(ValueError, match=match):
+            SamplingParams(**kwargs)
+    with pytest.raises(TypeError, match="sampling: expected a SamplingParams, got dict"):
+        engine.add_request([5], {"max_new_tokens": 2})
+    with pytest.raises(ValueError, match="sampling: expected one SamplingParams or 2"):
+        engine.generate([[5], [6]], [sampling])
+    with pytest.raises(ValueError, match="max_num_seqs: expected an int >= 1, got 0"):
+        Engine(engine.model, max_num_seqs=0)
+    with pytest.raises(ValueError, match="kv_cache_memory: expected a fraction in"):
+        Engine(engine.model, kv_cache_memory=1.5)
+    assert not engine.has_unfinished_requests()
+    assert len(engine.generate([[5, 6]], sampling)[0]) == 4
