@@ -114,9 +114,9 @@ def checkpoint(seed: int = 0) -> dict[str, torch.Tensor]:
 def run() -> None:
     tp = init_tensor_parallel()
     device = local_device()  # this rank's GPU under torchrun with NCCL, else the CPU
-    model = TinyLM(device)
+    model = TinyLM(device).eval()  # generate runs a model in eval mode (no dropout)
     model.load_weights(checkpoint().items())
-    reference = TinyLM(device, tp_group=TPGroup(None, 0, 1))  # the same model, unsharded
+    reference = TinyLM(device, tp_group=TPGroup(None, 0, 1)).eval()  # the same model, unsharded
     reference.load_weights(checkpoint().items())
 
     input_ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1)).to(device)
