@@ -17,7 +17,9 @@ every kernel between two products costs a launch for a few KB. Here the decode k
 ``LlamaForCausalLM.fused_decode`` chooses: None (the default) takes this step where tpkit's decode kernel
 takes the step's products (:func:`tpkit.ops.decode_kernel_applies`); True at every decode step without
 gradients (the fused ops' PyTorch expressions where the kernels do not run, as on the CPU); False never.
-It multiplies with the layers' weights itself, so it applies to SwiGLU MLPs (``hidden_act`` silu) only.
+It multiplies with the layers' weights itself (the decode kernels, whatever ``linear_op`` the layers
+have), so it applies to SwiGLU MLPs (``hidden_act`` silu) only, and a model whose layers are given another
+product (``set_linear_op``) sets ``fused_decode = False``.
 """
 
 from __future__ import annotations

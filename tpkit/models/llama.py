@@ -119,7 +119,8 @@ class LlamaForCausalLM(PagedDecoderOnlyLM):
 
     # Decode steps on the fused kernels (tpkit.models.fused_decode): None (the default) where tpkit's decode
     # kernel takes the step's products, True at every decode step without gradients (the fused ops'
-    # PyTorch expressions where the kernels do not run), False never (every step through the layers).
+    # PyTorch expressions where the kernels do not run), False never (every step through the layers, which
+    # is what a model whose layers get another product through set_linear_op wants).
     fused_decode: bool | None = None
 
     # (param_name, checkpoint_name, loaded_shard_id): checkpoint tensors that land in one stacked parameter.

@@ -285,7 +285,8 @@ def decode_linear_residual_norm(
     tensors.
 
     out, residual, normed ``[num_rows, out_features]``; norm_weight ``[out_features]``; sums, zero_sums
-    float64 ``[num_rows]``, two buffers (zero_sums may be None). A consumer product with
+    float64 ``[num_rows]``, two distinct buffers (zero_sums may be None; the op checks that they are two,
+    the kernel does not). A consumer product with
     ``rms_sums=sums`` then computes ``rms_norm(out) @ W.T`` without a norm kernel between the two.
     """
     module = _module_for(input.device)
