@@ -136,7 +136,7 @@ class Attention(nn.Module):
                               key_cache, value_cache, metadata.slot_mapping)
         # [batch * q_len, num_heads, head_size]: a view where the model's query is one (a slice of its fused
         # q, k projection): the op takes any token and head strides, and a copy would be one more kernel a
-        # layer in a compiled decode step (1.1 us on the H200). Only a strided last dimension is copied.
+        # layer in a compiled decode step. Only a strided last dimension is copied.
         tokens = query.reshape(batch * q_len, self.num_heads, self.head_size)
         if tokens.stride(-1) != 1:
             tokens = tokens.contiguous()

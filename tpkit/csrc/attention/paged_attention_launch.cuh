@@ -62,10 +62,8 @@ cudaError_t launch_merge(const tpkit_paged_attention_args* a, cudaStream_t strea
   const dim3 grid(ceil_div(a->num_heads, kMergeRowsPerBlock), a->num_seqs);
   const int smem_bytes = kMergeRowsPerBlock * a->num_partitions * static_cast<int>(sizeof(float));
   // Every partition's results in the first round trip where there are up to 16. The 16-partition kernel
-  // takes 126 registers to the other's 64; when every split took it, C6 (4 partitions, 768 merge blocks,
-  // likely no longer resident at once) went from 39.4 to 40.7 us on the H200. Chosen this way: 16 x 16384
-  // tokens at 48:1 (16 partitions) 39.5 -> 38.3 us, one 131072-token sequence at 32:8 (33) 135.1 -> 132.2,
-  // C4 (16) within the spread.
+  // takes about twice the other's registers, so only splits of more than 8 partitions take it: with fewer,
+  // its merge blocks would no longer all be resident at once.
   const auto kernel = a->num_partitions > 8 ? paged_attention_merge_kernel<T, 16> : paged_attention_merge_kernel<T, 8>;
   return launch_dependent(kernel, grid, kMergeThreads, smem_bytes, 1, a, stream);
 }
@@ -90,8 +88,6 @@ AttentionKernel mma_kernel(int slices, bool swizzled) {
 // prefer_depth, the most 64-token tiles in flight per multiprocessor, (stages - 1) x resident blocks;
 // otherwise a depth that keeps more blocks resident wins while it keeps at least 2/3 as many tiles in
 // flight: more warps hide the start and end of short blocks and the tensor-core work of large groups.
-// (Measured on the H200, head 128: C1 ran 275 us with 2 blocks x 3 stages and 364 us with 3 x 2; C5 155 us
-// with 3 x 2 and 170 us with 2 x 3; C6 74 us with 2 x 2 and 102 us with 1 x 4.)
 template <typename BlockBytes>
 cudaError_t choose_pipeline(const void* kernel, int threads, BlockBytes block_bytes, bool prefer_depth,
                             int* stages, int* smem, int* blocks_per_sm) {
@@ -199,8 +195,8 @@ cudaError_t plan_wgmma(tpkit_paged_attention_args* a) {
   uint32_t mask = 0;
   if ((err = plan_split(a, kernel, num_sms * blocks_per_sm, write_cost, &mask)) != cudaSuccess) return err;
 
-  // Two warpgroups a block, 2 stages each (3 ran C6 at 40.7 us against 38.3 and C3 at 10.3 against 10.2 on
-  // the H200): their shared memory leaves one block an SM.
+  // Two warpgroups a block, 2 stages each (a third stage costs more in occupancy than it hides): their shared
+  // memory leaves one block an SM.
   const void* two = reinterpret_cast<const void*>(&paged_attention_wgmma_kernel<T, 2>);
   int smem_limit = 0;
   if ((err = kernel_dynamic_smem_limit(two, &smem_limit)) != cudaSuccess) return err;
@@ -214,8 +210,7 @@ cudaError_t plan_wgmma(tpkit_paged_attention_args* a) {
   // A grid that leaves every SM at most one block has no use for the occupancy the pipeline's depth was
   // traded for: there two warpgroups a block share each block's tiles, so every SM has twice the tiles in
   // flight and each warpgroup half the chain of tiles to go through; the split is planned again for one block
-  // an SM. (Measured on the H200: C3 11.3 -> 10.2 us, against one warpgroup with the deepest pipeline, which
-  // had itself taken C3 from 11.5 us to 11.3.)
+  // an SM.
   if (two_fit && blocks_per_sm > 1 && grid_blocks(a) <= num_sms) {
     two_warpgroups(a);
     if ((err = plan_split(a, two, num_sms, write_cost, &mask)) != cudaSuccess) return err;
@@ -225,8 +220,7 @@ cudaError_t plan_wgmma(tpkit_paged_attention_args* a) {
   set_cluster_merge(a, mask);
   // A split that the merge kernel would finish, in more blocks than SMs: half as many partitions, each twice
   // as long, in blocks of two warpgroups keep as many tiles streaming on every SM, and are taken where their
-  // clusters all fit at once: they merge there, with no merge kernel. (Measured on the H200, C6, 4
-  // partitions -> 2: 40.0 -> 38.5 us.)
+  // clusters all fit at once: they merge there, with no merge kernel.
   if (two_fit && a->num_partitions % 2 == 0 && !a->cluster_merge && grid_blocks(a) > num_sms) {
     tpkit_paged_attention_args b = *a;
     two_warpgroups(&b);
@@ -246,10 +240,8 @@ cudaError_t plan_mma(tpkit_paged_attention_args* a) {
   const bool long_tables = capacity >= 32 * kTileTokens;
   // Groups of more than 32 query heads (the two-slice configurations of the mma kernel), and every group on
   // long tables, take the warpgroup kernel where it is built and runs: its rows beyond the group are padding,
-  // but its loop streams faster. (Measured on the H200 against the mma kernel, us: C1 255.6 -> 250.0, C4
-  // 71.5 -> 68.4; 8 x 8192 tokens with groups of 8 / 16 / 24 / 32: 72.1 -> 67.5 / 17.2 -> 15.0 / 19.9 ->
-  // 15.1 / 20.2 -> 15.3; 4 x 8192 of MHA 134.1 -> 129.0. In another call C5's blocks of 8 tiles ran 130.8 ->
-  // 137.7, so short tables stay.)
+  // but its loop streams faster on long tables; on short ones (a few tiles a block) the mma kernel stays
+  // faster.
   if constexpr (HEAD == kWgmmaHead) {
     bool available = false;
     const cudaError_t err = wgmma_available(&available);
@@ -278,7 +270,7 @@ cudaError_t plan_mma(tpkit_paged_attention_args* a) {
   // Long blocks of small groups (one row tile) take the deepest pipeline.
   const bool prefer_depth = warps_m == 1 && long_tables;
   // Two slices a step where a warp's share of a tile holds them (large groups: warps_n <= 2) and Q is not
-  // held in registers. (Measured on the H200, C6: 63.5 -> 59.9 us, C3: 16.5 -> 16.0 us.)
+  // held in registers: twice the independent mma chains in flight.
   const int slices = !Padded::kQueryInRegisters && (kTileTokens / warps_n) % 32 == 0 ? 2 : 1;
   const void* kernel = reinterpret_cast<const void*>(mma_kernel<T, HEAD>(slices, false));
   int stages = 0, smem = 0, blocks_per_sm = 0;
@@ -299,11 +291,9 @@ cudaError_t plan_mma(tpkit_paged_attention_args* a) {
   err = plan_split(a, kernel, num_sms * std::max(blocks_per_sm, 1), write_cost, &mask);
   if (err != cudaSuccess) return err;
   // Swizzled rows where warps take one slice: whole-sector copies take two thirds of the L2 sectors and
-  // half the requests of padded rows. (Measured on the H200: C2 50.8 -> 46.2 us; with the K/V stream under
-  // the L2 evict-first policy, grids of several waves too, C1 265.4 -> 256.9, C5 138.3 -> 135.4, where
-  // before that policy they had run slower swizzled, C5 147.7 -> 153.8.) The two-slice kernel ran slower
-  // swizzled (C6 59.2 -> 62.5, before the warpgroup kernel took C6). Swizzled rows are never longer than
-  // padded ones, so the pipeline depth, occupancy and partitions above still hold.
+  // half the requests of padded rows (with the K/V stream under the L2 evict-first policy, also in grids of
+  // several waves). The two-slice kernel runs slower swizzled, so it keeps padded rows. Swizzled rows are
+  // never longer than padded ones, so the pipeline depth, occupancy and partitions above still hold.
   a->swizzled = kSwizzleable<HEAD> && slices == 1;
   if (a->swizzled) {
     kernel = reinterpret_cast<const void*>(mma_kernel<T, HEAD>(1, true));
