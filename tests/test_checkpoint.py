@@ -67,7 +67,7 @@ def _fresh(model, seed: int):
     return fresh, torch.optim.AdamW(fresh.parameters(), lr=1.0)
 
 
-def run_session(paths: dict[str, str], tp_size: int, work: str, resume_from: int | None) -> dict:
+def run_training(paths: dict[str, str], tp_size: int, work: str, resume_from: int | None) -> dict:
     """Every rank: for each model, train N steps, save, train M more; load that checkpoint (and the one of
     tp_size ``resume_from``) into fresh models and train the same M steps; export. Returns the losses and,
     for the export, the logits of a fixed batch."""
@@ -127,18 +127,18 @@ def _in_process(fn, *args):
 
 
 @pytest.fixture(scope="module")
-def sessions(ranks, tmp_path_factory):
+def training_runs(ranks, tmp_path_factory):
     if under_torchrun():
-        pytest.skip("the sessions span tp_size 1, 2 and 4: run under plain pytest")
+        pytest.skip("the training runs span tp_size 1, 2 and 4: run under plain pytest")
     models = tmp_path_factory.mktemp("checkpoint_models")
     paths = {"llama": str(models / "llama"), "bart": str(models / "bart")}
     make_llama_checkpoint(paths["llama"], num_key_value_heads=2, tie_word_embeddings=True,
                           attention_bias=True, vocab_size=VOCAB, num_hidden_layers=1)
     make_bart_checkpoint(paths["bart"], vocab_size=VOCAB, dropout=0.1, encoder_layers=1, decoder_layers=1)
     work = str(tmp_path_factory.mktemp("checkpoints"))
-    results = {1: _in_process(run_session, paths, 1, work, None)}
-    results[2] = ranks.run(2, run_session, paths, 2, work, 1, timeout=300)[0]
-    results[4] = ranks.run(4, run_session, paths, 4, work, 2, timeout=300)[0]
+    results = {1: _in_process(run_training, paths, 1, work, None)}
+    results[2] = ranks.run(2, run_training, paths, 2, work, 1, timeout=300)[0]
+    results[4] = ranks.run(4, run_training, paths, 4, work, 2, timeout=300)[0]
     resumed = _in_process(resume_only, paths, work, 4)
     for kind, losses in resumed.items():
         results[1][kind][4] = losses
@@ -147,15 +147,15 @@ def sessions(ranks, tmp_path_factory):
 
 @pytest.mark.parametrize("kind", ["llama", "bart"])
 @pytest.mark.parametrize("tp_size", [1, 2, 4])
-def test_resume_at_same_tp_size_is_bitwise(sessions, kind, tp_size):
-    out = sessions[2][tp_size][kind]
+def test_resume_at_same_tp_size_is_bitwise(training_runs, kind, tp_size):
+    out = training_runs[2][tp_size][kind]
     assert out[tp_size] == out["rest"]
 
 
 @pytest.mark.parametrize("kind", ["llama", "bart"])
 @pytest.mark.parametrize(("source", "target"), [(1, 2), (2, 4), (4, 1)])
-def test_resume_at_another_tp_size(sessions, kind, source, target):
-    results = sessions[2]
+def test_resume_at_another_tp_size(training_runs, kind, source, target):
+    results = training_runs[2]
     resumed = results[target][kind][source]
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(results[source][kind]["rest"]),
                                **ACROSS_SIZES)
@@ -166,10 +166,10 @@ def test_resume_at_another_tp_size(sessions, kind, source, target):
 
 @pytest.mark.parametrize("tp_size", [2, 4])
 @pytest.mark.parametrize("kind", ["llama", "bart"])
-def test_export_loads_into_transformers(sessions, kind, tp_size):
+def test_export_loads_into_transformers(training_runs, kind, tp_size):
     from transformers import AutoModelForCausalLM, BartForConditionalGeneration
 
-    _, work, results = sessions
+    _, work, results = training_runs
     path = Path(work) / f"{kind}-hf-tp{tp_size}"
     assert (path / "model.safetensors.index.json").is_file() and (path / "config.json").is_file()
     hf_class = AutoModelForCausalLM if kind == "llama" else BartForConditionalGeneration
@@ -183,10 +183,10 @@ def test_export_loads_into_transformers(sessions, kind, tp_size):
     torch.testing.assert_close(logits, results[tp_size][kind]["logits"], **LOGITS)
 
 
-def test_export_loads_into_from_pretrained_at_another_tp_size(sessions):
+def test_export_loads_into_from_pretrained_at_another_tp_size(training_runs):
     from tpkit.models import from_pretrained
 
-    _, work, results = sessions
+    _, work, results = training_runs
     for kind in ("llama", "bart"):
         model = from_pretrained(Path(work) / f"{kind}-hf-tp4")  # tp_size 1, this process
         with torch.no_grad():
@@ -337,8 +337,8 @@ def _bad_inputs(llama: str, bart: str, checkpoint: Path, scratch: Path) -> None:
     refused(Exception, "refers to os.system", path=truncated)
 
 
-def test_bad_input_is_refused_before_anything_changes(sessions, tmp_path):
-    paths, work, _ = sessions
+def test_bad_input_is_refused_before_anything_changes(training_runs, tmp_path):
+    paths, work, _ = training_runs
     _in_process(_bad_inputs, paths["llama"], paths["bart"], Path(work) / "llama-tp1", tmp_path)
 
 
