@@ -3,15 +3,18 @@
 Each case draws a dtype (float16, bfloat16, float32), a head size, a block size (8, 16, 32), a group size
 from 1 to 64 (powers of two or not), 1-8 KV heads, 1-1024 sequences with ragged lengths from 1 to 2**20
 tokens (under a budget of cache elements), a block table as wide as needed or wider, ALiBi or not, and
-queries scaled for flat or peaked scores. The cache holds random K/V for every token of every sequence and
-NaN everywhere else (unused slots, spare pages, which the unused table entries point at), and the output
-starts as NaN: a read outside a sequence, or a row left unwritten, shows up as NaN. The kernel's output is
-compared with the PyTorch reference on the GPU (float32 arithmetic over the same, exactly rounded inputs)
-within the dtype's tolerance.
+queries scaled for flat or peaked scores, and for half the cases several query tokens a sequence
+(``query_start_loc``: per sequence none, one, a few speculative ones, a chunk after a cached prefix or the
+whole sequence, mixed in one batch; causal or not). The cache holds random K/V for every token of every
+sequence and NaN everywhere else (unused slots, spare pages, which the unused table entries point at), and
+the output starts as NaN: a read outside a sequence, or a row left unwritten, shows up as NaN. The kernel's
+output is compared with the PyTorch reference on the GPU (float32 arithmetic over the same, exactly rounded
+inputs) within the dtype's tolerance.
 
 The cases run in a worker process, one after another; a case that breaks the process (a launch error
 leaves its CUDA context unusable) is reported as failed and the rest run in a new worker, so one bad
-launch cannot poison the others. The first cases are fixed shapes that once failed to launch. Budget:
+launch cannot poison the others. The first cases are fixed: shapes that once failed to launch, then a few
+of several query tokens a sequence. Budget:
 ``TPKIT_FUZZ_CASES`` cases (default 1500) from ``TPKIT_FUZZ_SEED`` (default 0); a long run by hand is e.g.
 ``TPKIT_FUZZ_CASES=20000 TPKIT_FUZZ_SEED=1 python -m pytest tests/test_paged_attention_fuzz_cuda.py -s``.
 """
@@ -42,15 +45,35 @@ CASE_TIMEOUT_S = 60  # a case takes well under a second
 MAX_LEN = 1 << 20
 # Elements of one cache (tokens x num_kv_heads x head_size): 256 MiB in float32.
 CACHE_ELEMENTS = 1 << 26
+# With several query tokens a sequence: elements of the query (tokens x num_heads x head_size, 64 MiB in
+# float32), and the reference's work (the sum over query tokens of their sequence's length, times num_heads
+# x head_size).
+QUERY_ELEMENTS = 1 << 24
+REFERENCE_WORK = 1 << 33
 # (atol, rtol) against the float32 reference: output rounding, P rounded to the dtype for P V, and float32
 # sums over up to 2**20 tokens in another order.
 TOLERANCES = {torch.float32: (2e-4, 2e-4), torch.float16: (2e-3, 4e-3), torch.bfloat16: (1e-2, 1.6e-2)}
 # One sequence of 131072 tokens on one KV head, 4, 8 and 48 query heads: plans that once asked for a
-# cluster of 228 blocks.
+# cluster of 228 blocks; then shapes of several query tokens a sequence.
 FIXED_CASES = tuple(
     {"dtype": "bfloat16", "head_size": 128, "block_size": 16, "num_heads": num_heads, "num_kv_heads": 1,
      "seq_lens": [131072], "extra_width": 0, "alibi": False, "q_scale": 1.0}
-    for num_heads in (8, 4, 48))
+    for num_heads in (8, 4, 48)) + (
+    # Several query tokens a sequence: chunks after cached prefixes, a prefill from scratch, MQA chunks, and
+    # one prefill chunk beside decodes.
+    {"dtype": "bfloat16", "head_size": 128, "block_size": 16, "num_heads": 32, "num_kv_heads": 8,
+     "seq_lens": [2560, 2560], "query_lens": [512, 512], "causal": True, "extra_width": 0, "alibi": False,
+     "q_scale": 1.0},
+    {"dtype": "float16", "head_size": 64, "block_size": 16, "num_heads": 8, "num_kv_heads": 8,
+     "seq_lens": [1000, 333], "query_lens": [1000, 333], "causal": True, "extra_width": 1, "alibi": True,
+     "q_scale": 1.0},
+    {"dtype": "bfloat16", "head_size": 128, "block_size": 16, "num_heads": 48, "num_kv_heads": 1,
+     "seq_lens": [1280] * 4, "query_lens": [256] * 4, "causal": True, "extra_width": 0, "alibi": False,
+     "q_scale": 1.0},
+    {"dtype": "bfloat16", "head_size": 128, "block_size": 16, "num_heads": 32, "num_kv_heads": 8,
+     "seq_lens": [3072] + [2048] * 15, "query_lens": [1024] + [1] * 15, "causal": True, "extra_width": 0,
+     "alibi": False, "q_scale": 1.0},
+)
 
 
 def draw_case(seed: int, index: int) -> dict:
@@ -77,10 +100,39 @@ def draw_case(seed: int, index: int) -> dict:
         seq_lens.pop()
     seq_lens[0] = min(seq_lens[0], CACHE_ELEMENTS // per_token)
     pages = -(-max(seq_lens) // block_size)
-    return {"dtype": rng.choice(list(DTYPES)), "head_size": head_size, "block_size": block_size,
+    case = {"dtype": rng.choice(list(DTYPES)), "head_size": head_size, "block_size": block_size,
             "num_heads": num_heads, "num_kv_heads": num_kv_heads, "seq_lens": seq_lens,
             "extra_width": rng.choice((0, 0, 1, 3, rng.randint(0, pages))), "alibi": rng.random() < 0.5,
             "q_scale": rng.choice((1.0, 1.0, 4.0))}
+    if rng.random() < 0.5:
+        case["query_lens"] = _draw_query_lens(rng, seq_lens, num_heads * head_size)
+        case["causal"] = rng.random() < 0.8
+    return case
+
+
+def _draw_query_lens(rng: random.Random, seq_lens: list[int], row_elements: int) -> list[int]:
+    """Query tokens of each sequence (at most its length), one style a batch or each its own, under the
+    query and reference budgets: the costliest are cut first."""
+    def one(seq_len: int, style: str) -> int:
+        if style == "decode":
+            return 1
+        if style == "speculative":
+            return min(seq_len, rng.randint(2, 8))
+        if style == "chunk":
+            return rng.randint(1, min(seq_len, 2048))
+        if style == "prefill":
+            return seq_len
+        return rng.choice((0, 1, rng.randint(0, seq_len)))
+    styles = ("decode", "speculative", "chunk", "prefill", "mixed")
+    batch_style = rng.choice(styles + ("each",))
+    query_lens = [one(n, batch_style if batch_style != "each" else rng.choice(styles)) for n in seq_lens]
+    def work(i: int) -> int:
+        return query_lens[i] * seq_lens[i]
+    while (sum(query_lens) * row_elements > QUERY_ELEMENTS
+           or sum(map(work, range(len(seq_lens)))) * row_elements > REFERENCE_WORK):
+        costliest = max(range(len(query_lens)), key=work)
+        query_lens[costliest] //= 2
+    return query_lens
 
 
 def _alibi_slopes(num_heads: int, device: torch.device) -> torch.Tensor:
@@ -117,9 +169,20 @@ def _make_inputs(case: dict, generator: torch.Generator) -> tuple[torch.Tensor, 
     shape = (num_blocks, block_size, num_kv_heads, head_size)
     caches = [torch.randn(shape, dtype=dtype, device=dev, generator=generator)
               .masked_fill_(~valid[:, :, None, None], float("nan")) for _ in range(2)]
-    query = (torch.randn(num_seqs, case["num_heads"], head_size, device=dev, generator=generator)
+    num_rows = sum(case["query_lens"]) if "query_lens" in case else num_seqs
+    query = (torch.randn(num_rows, case["num_heads"], head_size, device=dev, generator=generator)
              * case["q_scale"]).to(dtype)
     return query, caches[0], caches[1], block_tables, lens.to(torch.int32)
+
+
+def _query_start_loc(case: dict) -> torch.Tensor | None:
+    """int32 [num_seqs + 1] on the GPU for a case with several query tokens a sequence, else None."""
+    if "query_lens" not in case:
+        return None
+    starts = [0]
+    for q_len in case["query_lens"]:
+        starts.append(starts[-1] + q_len)
+    return torch.tensor(starts, dtype=torch.int32, device="cuda")
 
 
 def run_case(case: dict, seed: int) -> dict:
@@ -132,19 +195,20 @@ def run_case(case: dict, seed: int) -> dict:
     dtype, head_size = query.dtype, case["head_size"]
     scale = head_size ** -0.5
     slopes = _alibi_slopes(case["num_heads"], query.device) if case["alibi"] else None
+    query_start_loc, causal = _query_start_loc(case), case.get("causal", True)
     expected = torch.empty(query.shape, dtype=torch.float32, device=query.device)
     paged_attention_reference(expected, query.float(), key_cache.float(), value_cache.float(), block_tables,
-                              seq_lens, scale, slopes)
+                              seq_lens, scale, slopes, query_start_loc, causal)
     out = torch.full_like(query, float("nan"))
     if not _extension.paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
-                                      slopes):
+                                      slopes, query_start_loc, causal):
         return {"ok": False, "detail": "the CUDA extension did not build"}
     torch.cuda.synchronize()
     atol, rtol = TOLERANCES[dtype]
     excess = ((out.float() - expected).abs() - rtol * expected.abs()) / atol  # <= 1 within tolerance
     nan_rows = int(out.isnan().any(-1).sum())
-    worst = float(excess.nan_to_num(float("inf")).max())
-    plan = _extension.launch_plan(query, key_cache, block_tables)
+    worst = float(excess.nan_to_num(float("inf")).max()) if excess.numel() else 0.0
+    plan = _extension.launch_plan(query, key_cache, block_tables, query_start_loc)
     ok = nan_rows == 0 and worst <= 1.0
     return {"ok": ok, "detail": f"{nan_rows} NaN rows, error {worst:.2f} x tolerance, plan {plan}"}
 
@@ -161,9 +225,14 @@ def _worker(seed: int, start: int, stop: int) -> None:
 
 def _summary(case: dict) -> str:
     lens = case["seq_lens"]
+    queries = ""
+    if "query_lens" in case:
+        q_lens = case["query_lens"]
+        queries = (f", {sum(q_lens)} query tokens ({min(q_lens)}-{max(q_lens)} a sequence), "
+                   f"causal {case['causal']}")
     return (f"{case['dtype']} head {case['head_size']} block {case['block_size']} "
             f"{case['num_heads']}:{case['num_kv_heads']} {len(lens)} seqs of {min(lens)}-{max(lens)} tokens, "
-            f"table +{case['extra_width']}, alibi {case['alibi']}, q x{case['q_scale']}")
+            f"table +{case['extra_width']}, alibi {case['alibi']}, q x{case['q_scale']}{queries}")
 
 
 def test_paged_attention_fuzz() -> None:

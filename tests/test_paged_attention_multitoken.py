@@ -7,7 +7,6 @@ token was written and block tables garbage past each sequence's blocks (see test
 
 import math
 import random
-import warnings
 
 import pytest
 import torch
@@ -263,35 +262,17 @@ def test_validation_errors(name, make_bad, error, message, monkeypatch):
         run_op(case, causal=bad if name == "causal" else True)
 
 
-def test_cuda_entry_point_declines_several_tokens_and_warns_once(monkeypatch):
-    """There is no multi-token CUDA kernel yet: the entry point says so (False, so the op runs the PyTorch
-    implementation on the GPU) before looking for a GPU module, and warns once."""
-    from tpkit.ops import _extension
-
-    monkeypatch.setattr(_extension, "_warned_multitoken", False)
-    case = _valid_case()
-    args = (torch.empty_like(case["query"]), case["query"], case["key_cache"], case["value_cache"],
-            case["block_tables"], case["seq_lens"], 0.25, None, case["query_start_loc"], True)
-    with pytest.warns(RuntimeWarning, match=r"query_start_loc .* has no CUDA kernel yet"):
-        assert _extension.paged_attention(*args) is False
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert _extension.paged_attention(*args) is False
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_runs_several_tokens_in_a_graph():
-    """On a GPU the multi-token op (the PyTorch implementation there) gives the CPU's result, also replayed
-    from a CUDA graph: nothing in it reads tensor contents on the host."""
+    """On a GPU the multi-token kernel gives the CPU's result, also replayed from a CUDA graph: nothing in
+    it reads tensor contents on the host."""
     case = make_multitoken_case(num_heads=8, num_kv_heads=2, head_size=128, block_size=16,
                                 seq_lens=[300, 17, 5, 64], query_lens=[40, 17, 1, 0], dtype=torch.bfloat16,
                                 alibi=True, seed=11)
     expected = run_op(case)
     gpu = {name: None if value is None else value.cuda() for name, value in case.items()}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        torch.testing.assert_close(run_op(gpu).cpu(), expected, rtol=0, atol=TOLERANCE[torch.bfloat16])
-        graph, out = capture(lambda: run_op(gpu))
+    torch.testing.assert_close(run_op(gpu).cpu(), expected, rtol=0, atol=TOLERANCE[torch.bfloat16])
+    graph, out = capture(lambda: run_op(gpu))
     out.zero_()
     graph.replay()
     torch.testing.assert_close(out.cpu(), expected, rtol=0, atol=TOLERANCE[torch.bfloat16])

@@ -98,11 +98,14 @@ void check_launch(cudaError_t err, const char* what) {
   if (err != cudaSuccess) TORCH_CHECK(false, message("tpkit ", what, " (CUDA): ", cudaGetErrorString(err)));
 }
 
-// The shape fields of the kernel arguments (all that planning reads).
+// The shape fields of the kernel arguments (all that planning reads; with query_start_loc, planning reads
+// only that it is set, never its values).
 void fill_shapes(tpkit_paged_attention_args* a, const at::Tensor& query, const at::Tensor& key_cache,
-                 const at::Tensor& block_tables) {
+                 const at::Tensor& block_tables, const std::optional<at::Tensor>& query_start_loc) {
   a->dtype = to_tpkit_dtype(query.scalar_type());
-  a->num_seqs = static_cast<int>(query.size(0));
+  a->num_seqs = static_cast<int>(block_tables.size(0));
+  a->num_query_rows = static_cast<int>(query.size(0));
+  a->query_start_loc = query_start_loc.has_value() ? query_start_loc->data_ptr<int32_t>() : nullptr;
   a->num_heads = static_cast<int>(query.size(1));
   a->head_size = static_cast<int>(query.size(2));
   a->num_blocks = static_cast<int>(std::min<int64_t>(key_cache.size(0), INT32_MAX));
@@ -125,22 +128,29 @@ void fill_cache_strides(Args& a, const at::Tensor& key_cache, const at::Tensor& 
 
 // The launch configuration paged_attention would use for these shapes (for benchmarks and notes).
 std::map<std::string, int64_t> plan(const at::Tensor& query, const at::Tensor& key_cache,
-                                    const at::Tensor& block_tables) {
+                                    const at::Tensor& block_tables,
+                                    const std::optional<at::Tensor>& query_start_loc) {
   TPKIT_CHECK_VALUE(query.is_cuda() && query.dim() == 3 && key_cache.dim() == 4 && block_tables.dim() == 2,
                     "plan (CUDA): expected CUDA query [num_seqs, num_heads, head_size], key_cache [num_blocks, "
                     "block_size, num_kv_heads, head_size] and block_tables [num_seqs, max_blocks_per_seq]");
   const c10::cuda::CUDAGuard guard(query.device());
+  TPKIT_CHECK_VALUE(!query_start_loc.has_value() || query_start_loc->scalar_type() == at::kInt,
+                    "plan (CUDA): expected int32 query_start_loc");
   tpkit_paged_attention_args a{};
-  fill_shapes(&a, query, key_cache, block_tables);
+  fill_shapes(&a, query, key_cache, block_tables, query_start_loc);
   check_launch(tpkit_paged_attention_plan(&a), "paged_attention planning");
-  // The attention grid as the launchers build it: (KV heads x row groups, partitions, sequences), clusters of
-  // cluster_size blocks along y.
+  // The attention grid as the launchers build it: (KV heads x row groups, partitions, sequences) in decode,
+  // (work tiles x KV heads x row groups, partitions, 1) with query_start_loc; clusters of cluster_size blocks
+  // along y.
+  const bool multi = a.query_start_loc != nullptr;
   return {{"num_partitions", a.num_partitions}, {"partition_size", a.partition_size}, {"m_groups", a.m_groups},
           {"rows_per_cta", a.rows_per_cta}, {"warps_m", a.warps_m}, {"warps_n", a.warps_n}, {"slices", a.slices},
           {"swizzled", a.swizzled}, {"wgmma", a.wgmma}, {"warpgroups", a.warpgroups}, {"num_stages", a.num_stages},
           {"threads", a.threads}, {"smem_bytes", a.smem_bytes}, {"cluster_merge", a.cluster_merge},
-          {"grid_x", static_cast<int64_t>(a.num_kv_heads) * a.m_groups}, {"grid_y", a.num_partitions},
-          {"grid_z", a.num_seqs}, {"cluster_size", a.cluster_merge ? a.num_partitions : 1}};
+          {"grid_x", static_cast<int64_t>(a.num_kv_heads) * a.m_groups * (multi ? a.num_work_tiles : 1)},
+          {"grid_y", a.num_partitions}, {"grid_z", multi ? 1 : a.num_work_tiles},
+          {"num_work_tiles", a.num_work_tiles}, {"tile_tokens", a.tile_tokens},
+          {"cluster_size", a.cluster_merge ? a.num_partitions : 1}};
 }
 
 // The launch limits of a device, read from the CUDA runtime (not through the planners' cached queries), for
@@ -167,19 +177,25 @@ std::map<std::string, int64_t> device_limits(int64_t device) {
 
 void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                     double scale, const std::optional<at::Tensor>& alibi_slopes) {
+                     double scale, const std::optional<at::Tensor>& alibi_slopes,
+                     const std::optional<at::Tensor>& query_start_loc, bool causal) {
   const char* op = "paged_attention";
   const at::Device device = cuda_device(op, "query", query);
   const at::ScalarType scalar_type = query.scalar_type();
   check_tensor(op, "query", query, device, scalar_type, {kAny, kAny, kAny});
-  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_size = query.size(2);
-  check_tensor(op, "out", out, device, scalar_type, {num_seqs, num_heads, head_size});
+  // Rows of query: one token a sequence in decode, else num_tokens, owned by the sequences of block_tables.
+  const int64_t num_rows = query.size(0), num_heads = query.size(1), head_size = query.size(2);
+  const int64_t num_seqs = query_start_loc.has_value() ? block_tables.size(0) : num_rows;
+  check_tensor(op, "out", out, device, scalar_type, {num_rows, num_heads, head_size});
   check_tensor(op, "key_cache", key_cache, device, scalar_type, {kAny, kAny, kAny, head_size});
   const int64_t num_blocks = key_cache.size(0), block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   check_tensor(op, "value_cache", value_cache, device, scalar_type, {num_blocks, block_size, num_kv_heads, head_size});
   check_tensor(op, "block_tables", block_tables, device, at::kInt, {num_seqs, kAny});
   check_tensor(op, "seq_lens", seq_lens, device, at::kInt, {num_seqs});
   if (alibi_slopes.has_value()) check_tensor(op, "alibi_slopes", *alibi_slopes, device, at::kFloat, {num_heads});
+  if (query_start_loc.has_value()) {
+    check_tensor(op, "query_start_loc", *query_start_loc, device, at::kInt, {num_seqs + 1});
+  }
   const tpkit_dtype dtype = to_tpkit_dtype(scalar_type);
   TPKIT_CHECK_VALUE(tpkit_paged_attention_supported(dtype, static_cast<int>(head_size), static_cast<int>(block_size)),
                     "paged_attention (CUDA): head_size ", head_size, " with block_size ", block_size, " and dtype ",
@@ -188,6 +204,8 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
                     num_kv_heads, " must divide num_heads ", num_heads);
   TPKIT_CHECK_VALUE(num_seqs <= 65535 && num_heads <= 65535, "paged_attention (CUDA): at most 65535 sequences and "
                     "heads, got ", num_seqs, " and ", num_heads);
+  TPKIT_CHECK_VALUE(num_rows < INT32_MAX, "paged_attention (CUDA): expected fewer than 2^31 - 1 query tokens, got ",
+                    num_rows);
   TPKIT_CHECK_VALUE(rows_16b_aligned(key_cache) && rows_16b_aligned(value_cache),
                     "paged_attention (CUDA): key_cache/value_cache: expected a contiguous last dimension and "
                     "16-byte aligned rows, got strides ", key_cache.strides(), " and ", value_cache.strides());
@@ -198,7 +216,7 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
                     "paged_attention (CUDA): key_cache/value_cache: expected block and token strides under 2^31 "
                     "bytes, got strides ", key_cache.strides(), " and ", value_cache.strides(), " of ",
                     key_cache.element_size(), "-byte elements");
-  if (num_seqs == 0) return;
+  if (num_seqs == 0 || num_rows == 0) return;
 
   const c10::cuda::CUDAGuard guard(device);
   // Misaligned or strided inputs are copied (shapes only, so still graph safe); the caches never are.
@@ -206,8 +224,9 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   const at::Tensor o = rows_16b_aligned(out) ? out : at::empty_like(query, at::MemoryFormat::Contiguous);
   const at::Tensor bt = block_tables.stride(1) == 1 ? block_tables : block_tables.contiguous();
   const at::Tensor sl = seq_lens.contiguous();
-  std::optional<at::Tensor> slopes;
+  std::optional<at::Tensor> slopes, starts;
   if (alibi_slopes.has_value()) slopes = alibi_slopes->contiguous();
+  if (query_start_loc.has_value()) starts = query_start_loc->contiguous();
 
   tpkit_paged_attention_args a{};
   a.out = o.data_ptr();
@@ -217,7 +236,8 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   a.block_tables = bt.data_ptr<int32_t>();
   a.seq_lens = sl.data_ptr<int32_t>();
   a.alibi_slopes = slopes.has_value() ? slopes->data_ptr<float>() : nullptr;
-  fill_shapes(&a, query, key_cache, bt);
+  fill_shapes(&a, query, key_cache, bt, starts);
+  a.causal = causal ? 1 : 0;
   a.q_stride_seq = q.stride(0);
   a.q_stride_head = q.stride(1);
   a.o_stride_seq = o.stride(0);
@@ -230,8 +250,8 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   at::Tensor tmp_out, tmp_lse;
   if (a.num_partitions > 1 && !a.cluster_merge) {
     const auto opts = query.options().dtype(at::kFloat);
-    tmp_out = at::empty({num_seqs, num_heads, a.num_partitions, head_size}, opts);
-    tmp_lse = at::empty({num_seqs, num_heads, a.num_partitions}, opts);
+    tmp_out = at::empty({num_rows, num_heads, a.num_partitions, head_size}, opts);
+    tmp_lse = at::empty({num_rows, num_heads, a.num_partitions}, opts);
     a.tmp_out = tmp_out.data_ptr<float>();
     a.tmp_lse = tmp_lse.data_ptr<float>();
   }
@@ -507,11 +527,12 @@ bool tpkit_paged_attention_supported_int(int dtype_code, int64_t head_size, int6
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "tpkit paged-attention and decode linear CUDA kernels";
-  m.def("paged_attention", &paged_attention, "Paged decode attention into `out` (see tpkit.attention._cuda).",
+  m.def("paged_attention", &paged_attention, "Paged attention into `out` (see tpkit.ops.paged_attention).",
         py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
-        py::arg("seq_lens"), py::arg("scale"), py::arg("alibi_slopes"));
+        py::arg("seq_lens"), py::arg("scale"), py::arg("alibi_slopes"), py::arg("query_start_loc") = py::none(),
+        py::arg("causal") = true);
   m.def("plan", &plan, "The launch configuration for these shapes: partitions, warps, stages, shared memory.",
-        py::arg("query"), py::arg("key_cache"), py::arg("block_tables"));
+        py::arg("query"), py::arg("key_cache"), py::arg("block_tables"), py::arg("query_start_loc") = py::none());
   m.def("device_limits", &device_limits, "The launch limits of a CUDA device (grid, block, shared memory, clusters).",
         py::arg("device"));
   m.def("is_supported", &tpkit_paged_attention_supported_int,

@@ -45,7 +45,6 @@ _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 _lock = threading.Lock()
 _modules: dict[tuple[int, int], ModuleType | None] = {}
 _warned = False
-_warned_multitoken = False
 
 
 def extension_name(capability: tuple[int, int]) -> str:
@@ -124,20 +123,6 @@ def _warn_once(reason: str) -> None:
     )
 
 
-def _warn_multitoken_once() -> None:
-    global _warned_multitoken
-    if _warned_multitoken:
-        return
-    _warned_multitoken = True
-    warnings.warn(
-        "tpkit: paged_attention with query_start_loc (several query tokens a sequence: prefill, chunks, "
-        "speculative tokens) has no CUDA kernel yet; it runs the PyTorch implementation on the GPU, which is "
-        "correct but far slower than the one-token decode kernel.",
-        RuntimeWarning,
-        stacklevel=3,
-    )
-
-
 def _find_module(capability: tuple[int, int]) -> ModuleType | None:
     from torch.utils.cpp_extension import CUDA_HOME
 
@@ -179,20 +164,15 @@ def paged_attention(
     query_start_loc: torch.Tensor | None = None,
     causal: bool = True,
 ) -> bool:
-    """Runs the CUDA decode-attention kernel into ``out``; False when no kernel is available here.
+    """Runs the CUDA attention kernel into ``out``; False when no kernel is available here.
 
-    query, out ``[num_seqs, num_heads, head_size]``; key_cache, value_cache
+    query, out ``[num_seqs, num_heads, head_size]`` (decode) or, with int32 ``query_start_loc``
+    ``[num_seqs + 1]``, ``[num_tokens, num_heads, head_size]``; key_cache, value_cache
     ``[num_blocks, block_size, num_kv_heads, head_size]``; block_tables int32
     ``[num_seqs, max_blocks_per_seq]``; seq_lens int32 ``[num_seqs]``; alibi_slopes float32 ``[num_heads]``
     or None. Raises ValueError for a configuration the kernel does not support (the message lists what
     is). No host synchronisation and no allocation that depends on values: safe in CUDA graphs.
-
-    With ``query_start_loc`` (several query tokens a sequence) there is no kernel yet: False, after a
-    warning (once) that the PyTorch implementation runs on the GPU instead.
     """
-    if query_start_loc is not None:
-        _warn_multitoken_once()
-        return False
     module = _module_for(query.device)
     if module is None:
         return False
@@ -201,7 +181,7 @@ def paged_attention(
         raise ValueError(f"paged_attention (CUDA): dtype {query.dtype}, head_size {head_size} and block_size "
                          f"{block_size} are not supported; supported: {module.supported_text()}")
     module.paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, float(scale),
-                           alibi_slopes)
+                           alibi_slopes, query_start_loc, causal)
     return True
 
 
@@ -221,14 +201,15 @@ def reshape_and_cache(
     return True
 
 
-def launch_plan(query: torch.Tensor, key_cache: torch.Tensor,
-                block_tables: torch.Tensor) -> dict[str, int] | None:
+def launch_plan(query: torch.Tensor, key_cache: torch.Tensor, block_tables: torch.Tensor,
+                query_start_loc: torch.Tensor | None = None) -> dict[str, int] | None:
     """The kernel's launch configuration for these shapes (split-K partitions, warps, pipeline stages,
-    shared memory, and the attention grid: ``grid_x``, ``grid_y``, ``grid_z``, ``cluster_size``), as
-    benchmarks report it; None when no kernel is available here. Planning reads only the shapes (and
-    the device), so expanded (stride 0) tensors of any size serve."""
+    shared memory, the query tokens of a work tile ``tile_tokens``, and the attention grid: ``grid_x``,
+    ``grid_y``, ``grid_z``, ``cluster_size``), as benchmarks report it; None when no kernel is available
+    here. Planning reads only the shapes (and the device), never ``query_start_loc``'s values, so expanded
+    (stride 0) tensors of any size serve."""
     module = _module_for(query.device)
-    return None if module is None else dict(module.plan(query, key_cache, block_tables))
+    return None if module is None else dict(module.plan(query, key_cache, block_tables, query_start_loc))
 
 
 def device_limits(device: torch.device) -> dict[str, int] | None:

@@ -12,12 +12,16 @@
 extern "C" {
 #endif
 
-// Decode attention: out[s, h] = softmax(scale * q[s, h] . K[s, :]^T (+ ALiBi)) V[s, :] over the seq_lens[s]
-// tokens of sequence s, found through block_tables[s]. Query head h reads KV head h / (num_heads /
-// num_kv_heads).
+// Paged attention: out[t, h] = softmax(scale * q[t, h] . K[s, :e]^T (+ ALiBi)) V[s, :e] over the first e keys
+// of the sequence s that query row t belongs to, found through block_tables[s]. Query head h reads KV head
+// h / (num_heads / num_kv_heads).
+// - Decode (query_start_loc NULL): row t is sequence t's one query token, e = seq_lens[t].
+// - Several tokens a sequence: sequence s owns rows query_start_loc[s] .. query_start_loc[s + 1] - 1, the last
+//   q_len of its seq_lens[s] tokens; row j of them sees e = seq_lens[s] - q_len + j + 1 keys when causal
+//   (bottom-right aligned), all seq_lens[s] otherwise.
 typedef struct {
   // Inputs and output. Caches are [num_blocks, block_size, num_kv_heads, head_size], last dim contiguous;
-  // query and out [num_seqs, num_heads, head_size], last dim contiguous. Rows must be 16-byte aligned.
+  // query and out [num_query_rows, num_heads, head_size], last dim contiguous. Rows must be 16-byte aligned.
   void* out;
   const void* query;
   const void* key_cache;
@@ -25,8 +29,11 @@ typedef struct {
   const int32_t* block_tables;  // [num_seqs, max_blocks_per_seq], last dim contiguous
   const int32_t* seq_lens;      // [num_seqs]
   const float* alibi_slopes;    // [num_heads] or NULL
+  const int32_t* query_start_loc;  // [num_seqs + 1] or NULL (decode)
+  int causal;                   // with query_start_loc: 1 causal (bottom-right), 0 every key
   tpkit_dtype dtype;
-  int num_seqs;
+  int num_seqs;                 // sequences (rows of block_tables)
+  int num_query_rows;           // rows of query and out: num_seqs in decode, num_tokens with query_start_loc
   int num_heads;
   int num_kv_heads;
   int head_size;
@@ -59,10 +66,15 @@ typedef struct {
   int group_size;           // num_heads / num_kv_heads
   int block_size_log2;
   float scale_log2;         // scale * log2(e)
+  // With query_start_loc: a sequence's query tokens are served in work tiles of tile_tokens tokens (each of
+  // them with every query head of the block's row group); num_work_tiles bounds the batch's tiles from the
+  // shapes (the grid's z; tiles past the batch's exit at once). Decode: 1 and num_seqs.
+  int tile_tokens;
+  int num_work_tiles;
 
   // Split-K scratch, allocated by the caller after planning when num_partitions > 1 and not cluster_merge:
-  // tmp_out float32 [num_seqs, num_heads, num_partitions, head_size], tmp_lse float32
-  // [num_seqs, num_heads, num_partitions] (log2-domain log-sum-exp of each partition).
+  // tmp_out float32 [num_query_rows, num_heads, num_partitions, head_size], tmp_lse float32
+  // [num_query_rows, num_heads, num_partitions] (log2-domain log-sum-exp of each partition).
   float* tmp_out;
   float* tmp_lse;
 } tpkit_paged_attention_args;

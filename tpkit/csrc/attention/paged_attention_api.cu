@@ -25,7 +25,7 @@ void plan_partitions(tpkit_paged_attention_args* a, int concurrent_blocks, doubl
                      uint32_t cluster_merges) {
   const int64_t capacity = static_cast<int64_t>(a->max_blocks_per_seq) * a->block_size;
   const int max_tiles = static_cast<int>(std::max<int64_t>(1, (capacity + kPlanTile - 1) / kPlanTile));
-  const double base = static_cast<double>(a->num_seqs) * a->num_kv_heads * a->m_groups;
+  const double base = static_cast<double>(work_items(a)) * a->num_kv_heads * a->m_groups;
   const double slots = std::max(concurrent_blocks, 1);
   // No split when the unsplit grid already fills every slot: the blocks past the first wave still find the
   // memory system saturated, so splitting would only add partial writes and the merge.
@@ -74,10 +74,15 @@ cudaError_t fit_launch_limits(tpkit_paged_attention_args* a) {
   const dim3 grid = attention_grid(a);
   const int cluster = attention_cluster_size(a);
   if (cluster > 1 && (!cluster_launch || cluster > kMaxClusterSize || grid.y % cluster != 0)) a->cluster_merge = 0;
+  // A split whose merge grid (head groups, query rows) the device cannot launch runs unsplit.
+  if (a->num_partitions > 1 && !a->cluster_merge && a->num_query_rows > grid_y) {
+    const int64_t capacity = static_cast<int64_t>(a->max_blocks_per_seq) * a->block_size;
+    a->num_partitions = 1;
+    a->partition_size = static_cast<int>(std::max<int64_t>(1, (capacity + kPlanTile - 1) / kPlanTile) * kPlanTile);
+  }
   const bool fits = a->num_partitions >= 1 && a->num_partitions <= kMaxPartitions && a->m_groups >= 1 &&
-                    static_cast<int64_t>(a->num_kv_heads) * a->m_groups <= grid_x &&
+                    attention_grid_x(a) <= grid_x &&
                     static_cast<int>(grid.y) <= grid_y && static_cast<int>(grid.z) <= grid_z &&
-                    a->num_seqs <= grid_y &&  // the merge kernel's grid: (head groups, sequences)
                     a->threads >= 32 && a->threads <= threads && a->smem_bytes >= 0 && a->smem_bytes <= smem;
   return fits ? cudaSuccess : cudaErrorInvalidConfiguration;
 }
@@ -125,6 +130,9 @@ cudaError_t tpkit_paged_attention_plan(tpkit_paged_attention_args* a) {
   a->block_size_log2 = log2;
   a->scale_log2 = a->scale * tpkit::kLog2e;
   a->cluster_merge = 0;
+  a->tile_tokens = 1;
+  a->num_work_tiles = a->num_seqs;
+  if (a->query_start_loc == nullptr) a->num_query_rows = a->num_seqs;
   a->tmp_out = nullptr;
   a->tmp_lse = nullptr;
   cudaError_t err;
@@ -141,7 +149,7 @@ cudaError_t tpkit_paged_attention_plan(tpkit_paged_attention_args* a) {
 }
 
 cudaError_t tpkit_paged_attention_launch(const tpkit_paged_attention_args* a, cudaStream_t stream) {
-  if (a->num_seqs == 0) return cudaSuccess;
+  if (a->num_seqs == 0 || a->num_work_tiles == 0) return cudaSuccess;
   if (a->num_partitions > 1 && !a->cluster_merge && (a->tmp_out == nullptr || a->tmp_lse == nullptr)) {
     return cudaErrorInvalidValue;
   }

@@ -24,10 +24,24 @@ inline bool cluster_mergeable(uint32_t cluster_merges, int num_partitions) {
   return num_partitions > 1 && num_partitions <= kMaxClusterSize && ((cluster_merges >> num_partitions) & 1u) != 0;
 }
 
-// The attention grid of a plan: (KV heads x row groups, partitions, sequences); clusters of
+// The attention grid of a plan (block_coords): (KV heads x row groups, partitions, sequences) in decode,
+// (work tiles x KV heads x row groups, partitions, 1) with query_start_loc; clusters of
 // attention_cluster_size blocks along y.
+inline int64_t attention_grid_x(const tpkit_paged_attention_args* a) {
+  const int64_t heads_groups = static_cast<int64_t>(a->num_kv_heads) * a->m_groups;
+  return a->query_start_loc == nullptr ? heads_groups : heads_groups * a->num_work_tiles;
+}
 inline dim3 attention_grid(const tpkit_paged_attention_args* a) {
-  return dim3(a->num_kv_heads * a->m_groups, a->num_partitions, a->num_seqs);
+  const bool multi = a->query_start_loc != nullptr;
+  return dim3(static_cast<unsigned>(attention_grid_x(a)), a->num_partitions, multi ? 1 : a->num_work_tiles);
+}
+
+// Work items the planner expects to do work: every sequence in decode; with query_start_loc, the tiles of the
+// batch's query tokens at the mean query length (at least one a sequence that can hold a token).
+inline int64_t work_items(const tpkit_paged_attention_args* a) {
+  if (a->query_start_loc == nullptr) return a->num_seqs;
+  const int64_t tiles = (static_cast<int64_t>(a->num_query_rows) + a->tile_tokens - 1) / a->tile_tokens;
+  return tiles > a->num_seqs ? tiles : (a->num_query_rows < a->num_seqs ? a->num_query_rows : a->num_seqs);
 }
 inline int attention_cluster_size(const tpkit_paged_attention_args* a) {
   return a->cluster_merge ? a->num_partitions : 1;

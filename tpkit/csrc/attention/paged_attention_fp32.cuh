@@ -8,6 +8,7 @@
 
 #include "common/dtype_traits.cuh"
 #include "attention/paged_attention.h"
+#include "attention/paged_attention_rows.cuh"
 #include "common/ptx.cuh"
 
 namespace tpkit {
@@ -32,24 +33,31 @@ __global__ void __launch_bounds__(kFp32Threads) paged_attention_fp32_kernel(cons
   extern __shared__ float4 smem_f4[];
   float* smem = reinterpret_cast<float*>(smem_f4);
   // KV heads vary fastest, so the blocks reading the same pages (one per KV head) run side by side.
-  const int kv_head = blockIdx.x / p.m_groups;
-  const int m_group = blockIdx.x - kv_head * p.m_groups;
+  const bool multi = p.query_start_loc != nullptr;
+  const BlockCoords coords = multi ? block_coords<true>(p) : block_coords<false>(p);
+  const int kv_head = coords.kv_head;
   const int partition = blockIdx.y;
-  const int seq = blockIdx.z;
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
   const int rows = p.rows_per_cta;
-  const int first_row = m_group * rows;
-  const int rows_valid = min(rows, p.group_size - first_row);
-  const int head0 = kv_head * p.group_size + first_row;
+  const int first_head = coords.m_group * rows;  // within the group
+  const int group_heads = min(rows, p.group_size - first_head);
+  const int head0 = kv_head * p.group_size + first_head;
 
   // Clamped to the table's capacity: a bad length must not read past the sequence's table row.
-  const int seq_len = min(p.seq_lens[seq], p.max_blocks_per_seq << p.block_size_log2);
+  QueryRows qr = multi ? tile_rows(p, coords.item, head0, group_heads) : decode_rows(coords.item, head0, group_heads);
+  if (!multi) qr.set_seq_len(min(p.seq_lens[coords.item], p.max_blocks_per_seq << p.block_size_log2));
+  if (qr.seq < 0) return;  // the whole block: past the batch's work tiles
+  const int seq = qr.seq;
+  const int rows_valid = qr.rows_valid;
+  const int seq_len = qr.seq_len;
   const int start = partition * p.partition_size;
-  const int end = min(start + p.partition_size, seq_len);
+  const int end = min(start + p.partition_size, qr.key_end());
   const bool split = p.num_partitions > 1;
-  if (split && start >= seq_len) return;
+  // The merge kernel reads a decode sequence's partitions that hold tokens, and every partition of a row with
+  // several tokens a sequence.
+  if (split && !multi && start >= seq_len) return;
 
   float* q_s = smem;                        // [rows][HEAD]
   float* o_s = q_s + rows * HEAD;           // [rows][HEAD]
@@ -61,24 +69,24 @@ __global__ void __launch_bounds__(kFp32Threads) paged_attention_fp32_kernel(cons
   float* c_s = l_s + rows;
   float* slope_s = c_s + rows;
 
-  const float* q_base = static_cast<const float*>(p.query) + static_cast<int64_t>(seq) * p.q_stride_seq;
+  const float* query = static_cast<const float*>(p.query);
   for (int i = tid; i < rows * HEAD; i += blockDim.x) {
     const int r = i / HEAD;
     const int d = i - r * HEAD;
-    q_s[i] = r < rows_valid ? q_base[static_cast<int64_t>(head0 + r) * p.q_stride_head + d] : 0.f;
+    q_s[i] = r < rows_valid ? query[qr.row(r) * p.q_stride_seq + static_cast<int64_t>(qr.head(r)) * p.q_stride_head + d]
+                            : 0.f;
     o_s[i] = 0.f;
   }
   for (int r = tid; r < rows; r += blockDim.x) {
     m_s[r] = -INFINITY;
     l_s[r] = 0.f;
-    slope_s[r] = (p.alibi_slopes != nullptr && r < rows_valid) ? p.alibi_slopes[head0 + r] * kLog2e : 0.f;
+    slope_s[r] = (p.alibi_slopes != nullptr && r < rows_valid) ? p.alibi_slopes[qr.head(r)] * kLog2e : 0.f;
   }
 
   const float* k_base = static_cast<const float*>(p.key_cache) + static_cast<int64_t>(kv_head) * p.kc_stride_head;
   const float* v_base = static_cast<const float*>(p.value_cache) + static_cast<int64_t>(kv_head) * p.vc_stride_head;
   const int* bt_row = p.block_tables + static_cast<int64_t>(seq) * p.bt_stride;
   const int bs_mask = (1 << p.block_size_log2) - 1;
-  const float last_pos = static_cast<float>(seq_len - 1);
 
   for (int tile_start = start; tile_start < end; tile_start += kFp32Tile) {
     __syncthreads();  // previous tile's k/v/p fully consumed (and the initialisation above visible)
@@ -106,13 +114,14 @@ __global__ void __launch_bounds__(kFp32Threads) paged_attention_fp32_kernel(cons
     for (int i = tid; i < rows * kFp32Tile; i += blockDim.x) {
       const int r = i / kFp32Tile;
       const int t = i - r * kFp32Tile;
-      const float* qr = q_s + r * HEAD;
-      const float* kr = k_s + t * KS;
+      const float* q_row = q_s + r * HEAD;
+      const float* k_row = k_s + t * KS;
       float dot = 0.f;
 #pragma unroll 8
-      for (int d = 0; d < HEAD; ++d) dot = fmaf(qr[d], kr[d], dot);
+      for (int d = 0; d < HEAD; ++d) dot = fmaf(q_row[d], k_row[d], dot);
       const int pos = tile_start + t;
-      p_s[i] = pos < end ? fmaf(dot, p.scale_log2, slope_s[r] * (static_cast<float>(pos) - last_pos)) : -INFINITY;
+      p_s[i] = pos < min(end, qr.end(r)) ? fmaf(dot, p.scale_log2, slope_s[r] * (static_cast<float>(pos) - qr.position(r)))
+                                         : -INFINITY;
     }
     __syncthreads();
     // Online softmax, a warp per row.
@@ -148,19 +157,19 @@ __global__ void __launch_bounds__(kFp32Threads) paged_attention_fp32_kernel(cons
     }
   }
   __syncthreads();
-  // Zeros only where the partition holds no key (seq_len 0): a NaN sum (a NaN key, value or query) stays NaN.
-  const bool attended = end > start;
+  // Zeros only where the row sees no key of the partition: a NaN sum (a NaN key, value or query) stays NaN.
   for (int i = tid; i < rows_valid * HEAD; i += blockDim.x) {
     const int r = i / HEAD;
     const int d = i - r * HEAD;
+    const bool attended = min(end, qr.end(r)) > start;
     const float sum = l_s[r];
     const float val = attended ? o_s[i] / sum : 0.f;
-    const int head = head0 + r;
+    const int head = qr.head(r);
     if (!split) {
-      float* out = static_cast<float*>(p.out) + static_cast<int64_t>(seq) * p.o_stride_seq + static_cast<int64_t>(head) * p.o_stride_head;
+      float* out = static_cast<float*>(p.out) + qr.row(r) * p.o_stride_seq + static_cast<int64_t>(head) * p.o_stride_head;
       out[d] = val;
     } else {
-      const int64_t row_index = (static_cast<int64_t>(seq) * p.num_heads + head) * p.num_partitions + partition;
+      const int64_t row_index = (qr.row(r) * p.num_heads + head) * p.num_partitions + partition;
       p.tmp_out[row_index * HEAD + d] = val;
       if (d == 0) p.tmp_lse[row_index] = attended ? m_s[r] + log2f(sum) : -INFINITY;
     }

@@ -17,6 +17,30 @@ constexpr int kMaxStages = 4;  // cp_async_wait_dynamic waits with up to 3 group
 
 inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
+// Query tokens a sequence has on average, from the shapes (num_query_rows / num_seqs, rounded up).
+inline int mean_query_len(const tpkit_paged_attention_args* a) {
+  return ceil_div(std::max(a->num_query_rows, 1), std::max(a->num_seqs, 1));
+}
+
+// The query rows one work item needs (the kernel's row tile holds up to max_rows), after choosing its
+// tokens. Decode: the group's query heads of one token. With query_start_loc: as many of a sequence's tokens
+// as fill max_rows rows with every head of the group, at most the batch's mean query length (from the
+// shapes, num_query_rows / num_seqs: no value is read), at least one; a group larger than max_rows is split
+// into row groups as in decode.
+inline int plan_work_tiles(tpkit_paged_attention_args* a, int max_rows) {
+  if (a->query_start_loc == nullptr) {
+    a->tile_tokens = 1;
+    a->num_work_tiles = a->num_seqs;
+    return a->group_size;
+  }
+  const int tokens = std::max(1, std::min(mean_query_len(a), max_rows / a->group_size));
+  // Sequences that can hold a token each add at most one partly filled tile.
+  const int64_t busy = std::min(a->num_seqs, a->num_query_rows);
+  a->tile_tokens = tokens;
+  a->num_work_tiles = static_cast<int>((a->num_query_rows + busy * (tokens - 1)) / tokens);
+  return tokens * a->group_size;
+}
+
 // Calls f(std::integral_constant<int, H>) for the compiled head size H == head_size.
 template <typename F>
 cudaError_t dispatch_head_size(int head_size, F&& f) {
@@ -59,7 +83,7 @@ template <typename T>
 cudaError_t launch_merge(const tpkit_paged_attention_args* a, cudaStream_t stream) {
   if (a->num_partitions <= 1 || a->cluster_merge) return cudaSuccess;
   // The merge waits (griddepcontrol.wait) for the attention grid, which lets it launch after its main loop.
-  const dim3 grid(ceil_div(a->num_heads, kMergeRowsPerBlock), a->num_seqs);
+  const dim3 grid(ceil_div(a->num_heads, kMergeRowsPerBlock), a->num_query_rows);
   const int smem_bytes = kMergeRowsPerBlock * a->num_partitions * static_cast<int>(sizeof(float));
   // Every partition's results in the first round trip where there are up to 16. The 16-partition kernel
   // takes about twice the other's registers, so only splits of more than 8 partitions take it: with fewer,
@@ -71,16 +95,25 @@ cudaError_t launch_merge(const tpkit_paged_attention_args* a, cudaStream_t strea
 using AttentionKernel = void (*)(tpkit_paged_attention_args);
 
 // The mma kernel that takes `slices` 16-token slices a warp step (2 only where Q stays in shared memory),
-// with swizzled shared-memory rows (one slice, where kSwizzleable allows) or padded ones.
+// with swizzled shared-memory rows (one slice, where kSwizzleable allows) or padded ones. Several query tokens
+// a sequence (multi) take one variant: one slice, swizzled rows where kSwizzleable allows.
 template <typename T, int HEAD>
-AttentionKernel mma_kernel(int slices, bool swizzled) {
+AttentionKernel mma_kernel(int slices, bool swizzled, bool multi) {
+  if (multi) return paged_attention_mma_kernel<T, HEAD, 1, kSwizzleable<HEAD>, true>;
   if constexpr (!MmaLayout<HEAD, false>::kQueryInRegisters) {
-    if (slices == 2) return paged_attention_mma_kernel<T, HEAD, 2, false>;
+    if (slices == 2) return paged_attention_mma_kernel<T, HEAD, 2, false, false>;
   }
   if constexpr (kSwizzleable<HEAD>) {
-    if (swizzled) return paged_attention_mma_kernel<T, HEAD, 1, true>;
+    if (swizzled) return paged_attention_mma_kernel<T, HEAD, 1, true, false>;
   }
-  return paged_attention_mma_kernel<T, HEAD, 1, false>;
+  return paged_attention_mma_kernel<T, HEAD, 1, false, false>;
+}
+
+// The warpgroup kernel of one or two warpgroups, for decode or several query tokens a sequence.
+template <typename T>
+AttentionKernel wgmma_kernel(int warpgroups, bool multi) {
+  if (multi) return warpgroups == 2 ? paged_attention_wgmma_kernel<T, 2, true> : paged_attention_wgmma_kernel<T, 1, true>;
+  return warpgroups == 2 ? paged_attention_wgmma_kernel<T, 2, false> : paged_attention_wgmma_kernel<T, 1, false>;
 }
 
 // Pipeline depth against resident blocks (registers and shared memory decide how many fit): the stage count
@@ -121,6 +154,8 @@ cudaError_t choose_pipeline(const void* kernel, int threads, BlockBytes block_by
 // n partitions of `kernel`, with the plan's threads and shared memory, can be merged that way.
 inline cudaError_t cluster_merge_mask(const tpkit_paged_attention_args* a, const void* kernel, uint32_t* mask) {
   *mask = 0;
+  // Rows of several tokens a sequence merge in the merge kernel: their work tiles are not known here.
+  if (a->query_start_loc != nullptr) return cudaSuccess;
   int major = 0;
   cudaError_t err = current_device_attribute(cudaDevAttrComputeCapabilityMajor, &major);
   if (err != cudaSuccess || major < 9) return err;
@@ -144,9 +179,10 @@ inline cudaError_t plan_split(tpkit_paged_attention_args* a, const void* kernel,
   return cudaSuccess;
 }
 
-// Thread blocks of the planned attention grid: one per (sequence, KV head, row group, partition).
+// Thread blocks of the planned attention grid that have work: one per (work item, KV head, row group,
+// partition).
 inline int64_t grid_blocks(const tpkit_paged_attention_args* a) {
-  return static_cast<int64_t>(a->num_seqs) * a->num_kv_heads * a->m_groups * a->num_partitions;
+  return work_items(a) * a->num_kv_heads * a->m_groups * a->num_partitions;
 }
 
 // Sets a->cluster_merge for the planned partitions from the cluster_merge_mask of the kernel that will run.
@@ -167,37 +203,64 @@ inline cudaError_t wgmma_available(bool* available) {
   return cudaSuccess;
 }
 
-// The warpgroup kernel (paged_attention_wgmma.cuh): up to 64 query heads of a KV head a block, taken by one
-// warpgroup or, in the two cases below, by two that share the block's tiles.
+// The warpgroup kernel's cost of writing one partition's result for rows_written rows (plan_partitions).
+template <typename T>
+double wgmma_write_cost(int rows_written) {
+  return rows_written * (kWgmmaHead + 1) * 4.0 / (2.0 * kTileTokens * kWgmmaHead * sizeof(T));
+}
+
+// A plan of the warpgroup kernel: `warpgroups` warpgroups a block (with several query tokens a sequence
+// they split the block's rows, 64 each; in decode they share 64), work items of item_rows rows, the pipeline
+// and occupancy for that, and the context's split; the cluster merges it allows are left in *mask.
+template <typename T>
+cudaError_t plan_wgmma_blocks(tpkit_paged_attention_args* a, int num_sms, int warpgroups, int item_rows,
+                              int* blocks_per_sm, uint32_t* mask) {
+  const bool multi = a->query_start_loc != nullptr;
+  const int row_sets = multi ? warpgroups : 1;
+  const void* kernel = reinterpret_cast<const void*>(wgmma_kernel<T>(warpgroups, multi));
+  int stages = 0, smem = 0;
+  cudaError_t err = choose_pipeline(
+      kernel, warpgroups * kWgmmaThreads, [&](int s) { return wgmma_smem_bytes<T>(s, 1, row_sets); }, false,
+      &stages, &smem, blocks_per_sm);
+  if (err != cudaSuccess) return err;
+  a->rows_per_cta = row_sets * kWgmmaRows;
+  a->m_groups = ceil_div(item_rows, a->rows_per_cta);
+  a->warps_m = warpgroups * kWgmmaThreads / 32;
+  a->warps_n = 1;
+  a->slices = 1;
+  a->swizzled = 0;
+  a->wgmma = 1;
+  a->warpgroups = warpgroups;
+  a->num_stages = stages;
+  a->threads = warpgroups * kWgmmaThreads;
+  a->smem_bytes = smem;
+  return plan_split(a, kernel, num_sms * *blocks_per_sm, wgmma_write_cost<T>(std::min(item_rows, a->rows_per_cta)),
+                    mask);
+}
+
+// The warpgroup kernel (paged_attention_wgmma.cuh). Several query tokens a sequence: work tiles of 64 rows, or
+// of 128 split between two warpgroups that share the K/V tiles where a sequence's mean query fills at least
+// two such tiles (in a batch of short queries beside long ones, the short ones' half-empty tiles would do a
+// full tile's products). Decode: up to 64 query heads of a KV head a block, taken by one warpgroup or, in the
+// two cases below, by two that share the block's tiles.
 template <typename T>
 cudaError_t plan_wgmma(tpkit_paged_attention_args* a) {
   int num_sms = 0;
   cudaError_t err = current_device_attribute(cudaDevAttrMultiProcessorCount, &num_sms);
   if (err != cudaSuccess) return err;
-  const void* kernel = reinterpret_cast<const void*>(&paged_attention_wgmma_kernel<T, 1>);
-  int stages = 0, smem = 0, blocks_per_sm = 0;
-  err = choose_pipeline(kernel, kWgmmaThreads, [](int s) { return wgmma_smem_bytes<T>(s, 1); }, false, &stages,
-                        &smem, &blocks_per_sm);
-  if (err != cudaSuccess) return err;
-  a->m_groups = ceil_div(a->group_size, kWgmmaRows);
-  a->rows_per_cta = kWgmmaRows;
-  a->warps_m = kWgmmaThreads / 32;
-  a->warps_n = 1;
-  a->slices = 1;
-  a->swizzled = 0;
-  a->wgmma = 1;
-  a->warpgroups = 1;
-  a->num_stages = stages;
-  a->threads = kWgmmaThreads;
-  a->smem_bytes = smem;
-  const int rows_written = std::min(a->group_size, kWgmmaRows);
-  const double write_cost = rows_written * (kWgmmaHead + 1) * 4.0 / (2.0 * kTileTokens * kWgmmaHead * sizeof(T));
+  int blocks_per_sm = 0;
   uint32_t mask = 0;
-  if ((err = plan_split(a, kernel, num_sms * blocks_per_sm, write_cost, &mask)) != cudaSuccess) return err;
+  if (a->query_start_loc != nullptr) {
+    const int warpgroups = static_cast<int64_t>(mean_query_len(a)) * a->group_size >= 4 * kWgmmaRows ? 2 : 1;
+    const int item_rows = plan_work_tiles(a, warpgroups * kWgmmaRows);
+    return plan_wgmma_blocks<T>(a, num_sms, warpgroups, item_rows, &blocks_per_sm, &mask);
+  }
+  if ((err = plan_wgmma_blocks<T>(a, num_sms, 1, a->group_size, &blocks_per_sm, &mask)) != cudaSuccess) return err;
+  const double write_cost = wgmma_write_cost<T>(std::min(a->group_size, kWgmmaRows));
 
   // Two warpgroups a block, 2 stages each (a third stage costs more in occupancy than it hides): their shared
   // memory leaves one block an SM.
-  const void* two = reinterpret_cast<const void*>(&paged_attention_wgmma_kernel<T, 2>);
+  const void* two = reinterpret_cast<const void*>(wgmma_kernel<T>(2, false));
   int smem_limit = 0;
   if ((err = kernel_dynamic_smem_limit(two, &smem_limit)) != cudaSuccess) return err;
   const bool two_fit = wgmma_smem_bytes<T>(2, 2) <= smem_limit;
@@ -241,12 +304,13 @@ cudaError_t plan_mma(tpkit_paged_attention_args* a) {
   // Groups of more than 32 query heads (the two-slice configurations of the mma kernel), and every group on
   // long tables, take the warpgroup kernel where it is built and runs: its rows beyond the group are padding,
   // but its loop streams faster on long tables; on short ones (a few tiles a block) the mma kernel stays
-  // faster.
+  // faster. Several query tokens a sequence are tensor-core bound: the warpgroup products serve them best.
+  const bool multi = a->query_start_loc != nullptr;
   if constexpr (HEAD == kWgmmaHead) {
     bool available = false;
     const cudaError_t err = wgmma_available(&available);
     if (err != cudaSuccess) return err;
-    if (available && (a->group_size > 32 || long_tables)) return plan_wgmma<T>(a);
+    if (available && (multi || a->group_size > 32 || long_tables)) return plan_wgmma<T>(a);
   }
   a->wgmma = 0;
   a->warpgroups = 1;
@@ -255,8 +319,10 @@ cudaError_t plan_mma(tpkit_paged_attention_args* a) {
   int num_sms = 0;
   cudaError_t err = current_device_attribute(cudaDevAttrMultiProcessorCount, &num_sms);
   if (err != cudaSuccess) return err;
-  // Query rows in 16-row mma tiles; a thread block takes up to 8 tiles (128 heads of one KV head).
-  const int row_tiles = ceil_div(a->group_size, 16);
+  // Query rows in 16-row mma tiles; a thread block takes up to 8 tiles (128 rows: heads of one KV head, or
+  // the heads of several tokens).
+  const int item_rows = plan_work_tiles(a, 128);
+  const int row_tiles = ceil_div(item_rows, 16);
   const int m_groups = ceil_div(row_tiles, 8);
   const int warps_m = ceil_div(row_tiles, m_groups);
   const int warps_n = warps_m <= 2 ? 4 : (warps_m <= 4 ? 2 : 1);
@@ -271,8 +337,8 @@ cudaError_t plan_mma(tpkit_paged_attention_args* a) {
   const bool prefer_depth = warps_m == 1 && long_tables;
   // Two slices a step where a warp's share of a tile holds them (large groups: warps_n <= 2) and Q is not
   // held in registers: twice the independent mma chains in flight.
-  const int slices = !Padded::kQueryInRegisters && (kTileTokens / warps_n) % 32 == 0 ? 2 : 1;
-  const void* kernel = reinterpret_cast<const void*>(mma_kernel<T, HEAD>(slices, false));
+  const int slices = !multi && !Padded::kQueryInRegisters && (kTileTokens / warps_n) % 32 == 0 ? 2 : 1;
+  const void* kernel = reinterpret_cast<const void*>(mma_kernel<T, HEAD>(slices, false, multi));
   int stages = 0, smem = 0, blocks_per_sm = 0;
   err = choose_pipeline(kernel, num_warps * 32, [&](int s) { return block_bytes(Padded::kRowBytes, s); },
                         prefer_depth, &stages, &smem, &blocks_per_sm);
@@ -285,7 +351,7 @@ cudaError_t plan_mma(tpkit_paged_attention_args* a) {
   a->num_stages = stages;
   a->threads = num_warps * 32;
   a->smem_bytes = smem;
-  const int rows_written = std::min(a->group_size, rows);
+  const int rows_written = std::min(item_rows, rows);
   const double write_cost = rows_written * (HEAD + 1) * 4.0 / (2.0 * kTileTokens * HEAD * sizeof(T));
   uint32_t mask = 0;
   err = plan_split(a, kernel, num_sms * std::max(blocks_per_sm, 1), write_cost, &mask);
@@ -296,7 +362,7 @@ cudaError_t plan_mma(tpkit_paged_attention_args* a) {
   // never longer than padded ones, so the pipeline depth, occupancy and partitions above still hold.
   a->swizzled = kSwizzleable<HEAD> && slices == 1;
   if (a->swizzled) {
-    kernel = reinterpret_cast<const void*>(mma_kernel<T, HEAD>(1, true));
+    kernel = reinterpret_cast<const void*>(mma_kernel<T, HEAD>(1, true, multi));
     smem = block_bytes(Swizzled::kRowBytes, stages);
     int smem_limit = 0;  // raises the swizzled kernel's limit
     if ((err = kernel_dynamic_smem_limit(kernel, &smem_limit)) != cudaSuccess) return err;
@@ -313,15 +379,14 @@ cudaError_t launch_mma(const tpkit_paged_attention_args* a, cudaStream_t stream)
   const dim3 grid = attention_grid(a);
   if constexpr (HEAD == kWgmmaHead) {
     if (a->wgmma) {
-      const auto kernel =
-          a->warpgroups == 2 ? paged_attention_wgmma_kernel<T, 2> : paged_attention_wgmma_kernel<T, 1>;
+      const AttentionKernel kernel = wgmma_kernel<T>(a->warpgroups, a->query_start_loc != nullptr);
       const cudaError_t err =
           launch_dependent(kernel, grid, a->threads, a->smem_bytes, attention_cluster_size(a), a, stream);
       if (err != cudaSuccess) return err;
       return launch_merge<T>(a, stream);
     }
   }
-  const AttentionKernel kernel = mma_kernel<T, HEAD>(a->slices, a->swizzled != 0);
+  const AttentionKernel kernel = mma_kernel<T, HEAD>(a->slices, a->swizzled != 0, a->query_start_loc != nullptr);
   const cudaError_t err =
       launch_dependent(kernel, grid, a->threads, a->smem_bytes, attention_cluster_size(a), a, stream);
   if (err != cudaSuccess) return err;
@@ -333,8 +398,9 @@ cudaError_t plan_fp32(tpkit_paged_attention_args* a) {
   int num_sms = 0;
   cudaError_t err = current_device_attribute(cudaDevAttrMultiProcessorCount, &num_sms);
   if (err != cudaSuccess) return err;
-  const int m_groups = ceil_div(a->group_size, kFp32Rows);
-  const int rows = ceil_div(a->group_size, m_groups);
+  const int item_rows = plan_work_tiles(a, kFp32Rows);
+  const int m_groups = ceil_div(item_rows, kFp32Rows);
+  const int rows = ceil_div(item_rows, m_groups);
   const int smem = fp32_smem_floats(rows, HEAD) * 4;
   const void* kernel = reinterpret_cast<const void*>(&paged_attention_fp32_kernel<HEAD>);
   int smem_limit = 0;

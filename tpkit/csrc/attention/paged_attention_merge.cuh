@@ -1,5 +1,5 @@
-// Split-K merge: combines a sequence's partition results, each normalised with its own log-sum-exp, into
-// the output. One warp per (sequence, query head): the partitions' weights come from warp shuffles, with
+// Split-K merge: combines a query row's partition results, each normalised with its own log-sum-exp, into
+// the output. One warp per (query row, query head): the partitions' weights come from warp shuffles, with
 // no block-wide barrier, and each lane sums four columns over every partition with float4 loads, several
 // partitions in flight. Torch-free.
 #pragma once
@@ -32,22 +32,26 @@ __global__ void __launch_bounds__(kMergeThreads) paged_attention_merge_kernel(co
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   const int head = blockIdx.x * kMergeRowsPerBlock + warp;
-  const int seq = blockIdx.y;
+  const int query_row = blockIdx.y;  // decode: the sequence
+  // Decode: partitions past the sequence's end were not written (their thread blocks exited at once).
   // seq_lens is the op's input, not the attention grid's output: read while that grid drains. Clamped to
-  // the table's capacity: a bad length must not read past the sequence's table row.
-  const int seq_len = min(p.seq_lens[seq], p.max_blocks_per_seq << p.block_size_log2);
-  // Partitions past the end were not written (their thread blocks exited at once).
-  const int used = seq_len > 0 ? min(p.num_partitions, (seq_len + p.partition_size - 1) / p.partition_size) : 0;
+  // the table's capacity: a bad length must not read past the sequence's table row. With several tokens a
+  // sequence every partition writes each of its rows.
+  int used = p.num_partitions;
+  if (p.query_start_loc == nullptr) {
+    const int seq_len = min(p.seq_lens[query_row], p.max_blocks_per_seq << p.block_size_log2);
+    used = seq_len > 0 ? min(p.num_partitions, (seq_len + p.partition_size - 1) / p.partition_size) : 0;
+  }
   // Every block waits, even one with nothing to merge: the grid must not finish before the attention grid.
   grid_wait_primary();
   if (head >= p.num_heads) return;  // a whole warp: nothing below synchronises more than one warp
   const int vecs = p.head_size / 4;  // head sizes are multiples of 8
-  T* out = static_cast<T*>(p.out) + static_cast<int64_t>(seq) * p.o_stride_seq + static_cast<int64_t>(head) * p.o_stride_head;
+  T* out = static_cast<T*>(p.out) + static_cast<int64_t>(query_row) * p.o_stride_seq + static_cast<int64_t>(head) * p.o_stride_head;
   if (used == 0) {
     for (int v = lane; v < vecs; v += 32) store4(out + 4 * v, make_float4(0.f, 0.f, 0.f, 0.f));
     return;
   }
-  const int64_t row_index = (static_cast<int64_t>(seq) * p.num_heads + head) * p.num_partitions;
+  const int64_t row_index = (static_cast<int64_t>(query_row) * p.num_heads + head) * p.num_partitions;
   const float* lse = p.tmp_lse + row_index;
   const float4* parts = reinterpret_cast<const float4*>(p.tmp_out + row_index * p.head_size);
   float lane_lse = lane < used ? lse[lane] : -INFINITY;

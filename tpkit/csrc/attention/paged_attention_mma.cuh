@@ -16,6 +16,7 @@
 #include "common/dtype_traits.cuh"
 #include "attention/paged_attention.h"
 #include "attention/paged_attention_dispatch.h"
+#include "attention/paged_attention_rows.cuh"
 #include "common/ptx.cuh"
 
 namespace tpkit {
@@ -68,17 +69,19 @@ constexpr int max_registers(int head) { return head <= 32 ? 80 : head <= 96 ? 12
 // One step of the online softmax for a thread's two rows of S, held as NJ 8-column tiles in the mma
 // accumulator layout (elements 0 and 1 of a tile: row0 at columns 2c and 2c + 1 of the tile, c = lane & 3;
 // elements 2 and 3: row1, the same columns), which wgmma's m64 accumulators share warp by warp. Scores
-// go to the log2 domain with ALiBi (slopes already times log2 e), positions at or past `end` are masked,
-// then each becomes exp2(score - the row's running max) in place, and the running max (m) and sum (l) are
-// updated. pos_base: the position of this thread's first column. Returns the factors (row0, row1) that the
-// rows' output accumulators must be multiplied by: exactly 1 once the max stops moving.
+// go to the log2 domain with ALiBi (slopes already times log2 e, distances from the rows' query positions
+// q0, q1), positions at or past a row's end (end0, end1) are masked, then each becomes exp2(score - the row's
+// running max) in place, and the running max (m) and sum (l) are updated. pos_base: the position of this
+// thread's first column. Returns the factors (row0, row1) that the rows' output accumulators must be
+// multiplied by: exactly 1 once the max stops moving.
 template <int NJ>
-__device__ __forceinline__ float2 online_softmax_step(float (&s)[NJ][4], int pos_base, int end, float scale_log2,
-                                                      float slope0, float slope1, float last_pos, float& m0,
-                                                      float& m1, float& l0, float& l1) {
+__device__ __forceinline__ float2 online_softmax_step(float (&s)[NJ][4], int pos_base, int end0, int end1,
+                                                      float scale_log2, float slope0, float slope1, float q0,
+                                                      float q1, float& m0, float& m1, float& l0, float& l1) {
   // Most steps have no ALiBi and no masked column: the max is then taken of the raw scores (the same order
   // for a positive scale) and the scale rides on the exp2's multiply-add, 4 instructions a score, not 9.
-  const bool raw = slope0 == 0.f && slope1 == 0.f && scale_log2 > 0.f && pos_base + (NJ - 1) * 8 + 1 < end;
+  const bool raw =
+      slope0 == 0.f && slope1 == 0.f && scale_log2 > 0.f && pos_base + (NJ - 1) * 8 + 1 < min(end0, end1);
   if (!raw) {
 #pragma unroll
     for (int j = 0; j < NJ; ++j) {
@@ -86,8 +89,8 @@ __device__ __forceinline__ float2 online_softmax_step(float (&s)[NJ][4], int pos
       for (int e = 0; e < 4; ++e) {
         const int pos = pos_base + j * 8 + (e & 1);
         const float slope = e < 2 ? slope0 : slope1;
-        const float v = fmaf(s[j][e], scale_log2, slope * (static_cast<float>(pos) - last_pos));
-        s[j][e] = pos < end ? v : -INFINITY;
+        const float v = fmaf(s[j][e], scale_log2, slope * (static_cast<float>(pos) - (e < 2 ? q0 : q1)));
+        s[j][e] = pos < (e < 2 ? end0 : end1) ? v : -INFINITY;
       }
     }
   }
@@ -239,7 +242,9 @@ __device__ __forceinline__ void merge_in_cluster(int num_parts, bool attended, i
 // SLICES: 16-token slices a warp takes at a time (1 or 2; the plan's `slices`). Two give twice the independent
 // mma chains in flight and one softmax update per 32 tokens, for the large groups that are bound by issue
 // latency; a kernel of its own, so the one-slice kernel keeps its registers. SWIZZLED: the layout (MmaLayout).
-template <typename T, int HEAD, int SLICES, bool SWIZZLED>
+// MULTI: rows of several query tokens a sequence (query_start_loc set), a kernel of its own so that the
+// decode kernels keep their registers.
+template <typename T, int HEAD, int SLICES, bool SWIZZLED, bool MULTI>
 __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
     paged_attention_mma_kernel(const tpkit_paged_attention_args p) {
   using L = MmaLayout<HEAD, SWIZZLED>;
@@ -251,10 +256,9 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
 
   extern __shared__ __align__(128) uint4 smem[];  // swizzled rows start 128-byte aligned
   // KV heads vary fastest, so the blocks reading the same pages (one per KV head) run side by side.
-  const int kv_head = blockIdx.x / p.m_groups;
-  const int m_group = blockIdx.x - kv_head * p.m_groups;
+  const BlockCoords coords = block_coords<MULTI>(p);
+  const int kv_head = coords.kv_head;
   const int partition = blockIdx.y;
-  const int seq = blockIdx.z;
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
@@ -262,28 +266,29 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
   const int warp_n = warp - warp_m * p.warps_n;
   const int num_warps = blockDim.x >> 5;
   const int rows = p.rows_per_cta;
-  const int first_row = m_group * rows;  // within the group
-  const int rows_valid = min(rows, p.group_size - first_row);
-  const int head0 = kv_head * p.group_size + first_row;
+  const int first_head = coords.m_group * rows;  // within the group
+  const int group_heads = min(rows, p.group_size - first_head);
+  const int head0 = kv_head * p.group_size + first_head;
 
   const int capacity = p.max_blocks_per_seq << p.block_size_log2;
   const int start = partition * p.partition_size;
   const int table_end = min(start + p.partition_size, capacity);  // this partition's table entries
   const int num_stages = p.num_stages;
-  const T* q_base = static_cast<const T*>(p.query) + static_cast<int64_t>(seq) * p.q_stride_seq;
-  const int* bt_row = p.block_tables + static_cast<int64_t>(seq) * p.bt_stride;
   const int bs_log2 = p.block_size_log2;
   const int pages_per_tile = kTileTokens >> bs_log2;
 
   // Launched as a programmatic dependent (Hopper): the blocks may start while the previous kernel drains;
   // every input may come from it, so nothing is read before it has finished, only prefetched into L2.
-  prefetch_prologue<T, HEAD>(q_base + static_cast<int64_t>(head0) * p.q_stride_head, p.q_stride_head, rows_valid,
-                             p.seq_lens + seq, bt_row + (start >> bs_log2),
-                             min(num_stages * pages_per_tile, (table_end - start) >> bs_log2));
-  grid_wait_primary();
-  // Issued first; the block-table and query reads below do not depend on it, so the three are in flight
-  // together (a small grid's time is a chain of memory latencies: length and pages, then K/V).
-  const int seq_len_read = p.seq_lens[seq];
+  int seq_len_read = 0;
+  QueryRows qr = start_rows<MULTI>(p, coords, head0, group_heads, [&](int seq) {
+    prefetch_prologue<T, HEAD>(static_cast<const T*>(p.query) + seq * p.q_stride_seq + head0 * p.q_stride_head,
+                               p.q_stride_head, group_heads, p.seq_lens + seq,
+                               p.block_tables + seq * p.bt_stride + (start >> bs_log2),
+                               min(num_stages * pages_per_tile, (table_end - start) >> bs_log2));
+  }, seq_len_read);
+  if (qr.seq < 0) return;  // the whole block: past the batch's work tiles
+  const int rows_valid = qr.rows_valid;
+  const int* bt_row = p.block_tables + static_cast<int64_t>(qr.seq) * p.bt_stride;
 
   uint4* q_s = smem;                                 // [rows][RS]
   uint4* k_s = q_s + rows * RS;                      // [num_stages][kTileTokens][RS]
@@ -311,19 +316,22 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
       const int r = i / L::kPaddedChunks;
       const int c = i - r * L::kPaddedChunks;
       const bool valid = r < rows_valid && c < C;  // padding rows and the head-120 pad chunk: zeros
-      const T* src = valid ? q_base + static_cast<int64_t>(head0 + r) * p.q_stride_head + c * 8 : q_base;
+      const T* src = static_cast<const T*>(p.query);
+      if (valid) src += qr.row(r) * p.q_stride_seq + static_cast<int64_t>(qr.head(r)) * p.q_stride_head + c * 8;
       cp_async_16(smem_addr(q_s + r * RS + L::chunk(r, c)), src, valid);
     }
     cp_async_commit();
   }
 
   // Clamped to the table's capacity: a bad length must not read past the sequence's table row.
-  const int seq_len = min(seq_len_read, capacity);
-  const int end = min(start + p.partition_size, seq_len);
+  if constexpr (!MULTI) qr.set_seq_len(min(seq_len_read, capacity));
+  const int seq_len = qr.seq_len;
+  const int end = min(start + p.partition_size, qr.key_end());
   const bool split = p.num_partitions > 1;
   const bool cluster = p.cluster_merge != 0;
-  // The merge kernel only reads partitions that hold tokens; a cluster's blocks must all reach its barriers.
-  if (split && !cluster && start >= seq_len) {
+  // The merge kernel reads a decode sequence's partitions that hold tokens, and every partition of a row
+  // with several tokens a sequence; a cluster's blocks must all reach its barriers.
+  if (split && !cluster && !MULTI && start >= seq_len) {
     cp_async_wait<0>();  // the query's copies land before the block's shared memory is given back
     return;
   }
@@ -394,10 +402,12 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
   const int row1 = row0 + 8;
   float slope0 = 0.f, slope1 = 0.f;  // ALiBi slopes in the log2 domain (0: no ALiBi or padding row)
   if (p.alibi_slopes != nullptr) {
-    if (row0 < rows_valid) slope0 = p.alibi_slopes[head0 + row0] * kLog2e;
-    if (row1 < rows_valid) slope1 = p.alibi_slopes[head0 + row1] * kLog2e;
+    if (row0 < rows_valid) slope0 = p.alibi_slopes[qr.head(row0)] * kLog2e;
+    if (row1 < rows_valid) slope1 = p.alibi_slopes[qr.head(row1)] * kLog2e;
   }
-  const float last_pos = static_cast<float>(seq_len - 1);
+  // Each row's last key (past this partition's: end) and query position.
+  const int end0 = min(end, qr.end(row0)), end1 = min(end, qr.end(row1));
+  const float q_pos0 = qr.position(row0), q_pos1 = qr.position(row1);
 
   uint32_t q_frag[L::kQueryInRegisters ? L::kKSteps : 1][4];
   // ldmatrix lane addresses: the lane's row (of an 8x8 matrix), its part of a step's chunk. Q: warp's rows.
@@ -464,8 +474,8 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
           }
         }
 
-        const float2 corr = online_softmax_step(s, tile_start + tok0 + ((lane & 3) << 1), end, p.scale_log2,
-                                                slope0, slope1, last_pos, m0, m1, l0, l1);
+        const float2 corr = online_softmax_step(s, tile_start + tok0 + ((lane & 3) << 1), end0, end1,
+                                                p.scale_log2, slope0, slope1, q_pos0, q_pos1, m0, m1, l0, l1);
         const float corr0 = corr.x, corr1 = corr.y;
         // Once the running max settles, corrections are exactly 1: skip the rescale for the whole warp.
         if (__any_sync(0xffffffffu, corr0 != 1.f || corr1 != 1.f)) {
@@ -557,10 +567,9 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
   constexpr int kVecs = HEAD / 4;
   // Row r's finished columns, in the first warp slice of its row tile's partial results.
   auto row_out = [&](int r) { return red_o + ((r >> 4) * p.warps_n * 16 + (r & 15)) * L::kOutStride; };
-  // Row r's output (query head head0 + r of this sequence).
+  // Row r's output.
   auto out_row = [&](int r) {
-    return static_cast<T*>(p.out) + static_cast<int64_t>(seq) * p.o_stride_seq +
-           static_cast<int64_t>(head0 + r) * p.o_stride_head;
+    return static_cast<T*>(p.out) + qr.row(r) * p.o_stride_seq + static_cast<int64_t>(qr.head(r)) * p.o_stride_head;
   };
   for (int i = tid; i < rows_valid * kVecs; i += blockDim.x) {
     const int r = i / kVecs;
@@ -575,23 +584,23 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
       acc.w += x.w;
     }
     const float sum = row_l[r];
-    // Zeros only where the partition holds no key (seq_len 0): a NaN sum stays NaN.
-    const float inv = end > start ? 1.f / sum : 0.f;
+    // Zeros only where the row sees no key of the partition: a NaN sum stays NaN.
+    const bool attended = min(end, qr.end(r)) > start;
+    const float inv = attended ? 1.f / sum : 0.f;
     acc.x *= inv;
     acc.y *= inv;
     acc.z *= inv;
     acc.w *= inv;
-    const int head = head0 + r;
     if (!split) {
       store4(out_row(r) + d, acc);
     } else if (cluster) {
       // Kept for the cluster's merge: each (r, d) is this thread's alone, so it overwrites what it read.
       *reinterpret_cast<float4*>(src) = acc;
-      if (d == 0) row_lse[r] = end > start ? row_m[r] + log2f(sum) : -INFINITY;
+      if (d == 0) row_lse[r] = attended ? row_m[r] + log2f(sum) : -INFINITY;
     } else {
-      const int64_t row_index = (static_cast<int64_t>(seq) * p.num_heads + head) * p.num_partitions + partition;
+      const int64_t row_index = (qr.row(r) * p.num_heads + qr.head(r)) * p.num_partitions + partition;
       *reinterpret_cast<float4*>(p.tmp_out + row_index * HEAD + d) = acc;
-      if (d == 0) p.tmp_lse[row_index] = end > start ? row_m[r] + log2f(sum) : -INFINITY;
+      if (d == 0) p.tmp_lse[row_index] = attended ? row_m[r] + log2f(sum) : -INFINITY;
     }
   }
   if (cluster) merge_in_cluster<HEAD, float>(p.num_partitions, seq_len > 0, rows_valid, row_lse, row_out, out_row);
