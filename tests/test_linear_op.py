@@ -402,6 +402,9 @@ def test_compiled_decode_step_computes_cos_and_sin_once(monkeypatch: pytest.Monk
     model, caches, tokens, metadata = _tiny_decode_step(3)
     # The code, not a cached one: a cache key does not cover the op's tags.
     monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)
+    # Scalar C++ kernels: the copies are placed before code generation, whatever the vector ISA, and probing
+    # the machine's ISAs compiles a program for each.
+    monkeypatch.setattr(torch._inductor.config.cpp, "vec_isa_ok", False)
     with torch.no_grad():
         _, codes = run_and_get_code(torch.compile(model._decode_step), tokens[:, None], metadata, caches)
     calls = _call_arguments("\n".join(codes), "torch.ops.tpkit.decode_qkv_rope_cache.default")

@@ -1,7 +1,8 @@
 """Sequence parallelism: the three mappings against their definitions, and a LayerNorm -> column-parallel ->
 GELU -> row-parallel block with a residual, its activations split along the sequence, against the same
-block unsharded (forward, every gradient, the whole gradient's norm), eager and compiled; tp_size 2 and 4,
-for ``[batch, seq, hidden]`` and ``[tokens, hidden]``."""
+block unsharded (forward, every gradient, the whole gradient's norm), eager at tp_size 2 and 4 and compiled
+at 2 (tp_size 4 traces the same code with other shapes), for ``[batch, seq, hidden]`` and
+``[tokens, hidden]``."""
 
 from __future__ import annotations
 
@@ -162,9 +163,9 @@ def test_sequence_parallel_mappings(ranks, tp_size: int, dim: int) -> None:
     ranks.run(tp_size, _check_mappings, tp_size, dim)
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("shape", [(2, 8, HIDDEN), (8, HIDDEN)], ids=["batch_seq_hidden", "tokens_hidden"])
-@pytest.mark.parametrize("tp_size", [2, 4])
+@pytest.mark.parametrize(("tp_size", "compiled"), [(2, False), (2, True), (4, False)],
+                         ids=["2-eager", "2-compiled", "4-eager"])
 def test_sequence_parallel_block_matches_unsharded(ranks, tp_size: int, shape: tuple[int, ...],
                                                     compiled: bool) -> None:
     ranks.run(tp_size, _check_block, tp_size, shape, compiled, timeout=240)

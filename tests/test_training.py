@@ -2,8 +2,8 @@
 compiled.
 
 The parent computes transformers' loss and the gradient of every parameter, by checkpoint name. Each rank
-loads its shard, runs the same loss forward and backward (through ``torch.compile`` too, and for the
-decoder-only models from each rank's vocabulary columns, ``lm_head.cross_entropy``), sums the
+loads its shard, runs the same loss forward and backward (for the decoder-only models from each rank's
+vocabulary columns too, ``lm_head.cross_entropy``), sums the
 replicated KV heads' gradients (``reduce_kv_replica_grads``), checks the whole model's gradient norms and
 clipping (``clip_grad_norm_``), and compares each parameter's gradient with transformers' gradient sharded
 as the weights are: loaded through the model's own ``load_weights`` into a zeroed copy of the model.
@@ -11,6 +11,11 @@ Llama with GQA (KV heads replicated at tp_size 4), tied embeddings and biases; G
 multi-query attention (replicated at 2 and 4) and its fused ``c_attn``; BART, whose cross-attention is
 ``QKVCrossParallelLinear``. All three also built with ``sequence_parallel=True`` (their norms' gradients
 summed by ``reduce_sequence_parallel_grads``), at tp_size 2 and 4.
+
+Every case runs eager. Each model, with and without sequence parallelism, also runs compiled at one tp_size
+above 1, where the traced graph holds the collectives (at tp_size 1 it holds none, and another tp_size
+traces the same code with other shapes): Llama without sequence parallelism at 4, where its KV heads are
+replicated, the rest at 2 (GPT-BigCode's single KV head is replicated there).
 """
 
 from __future__ import annotations
@@ -65,12 +70,13 @@ def _sharded_like_weights(model, path: str, grads: dict[str, torch.Tensor]) -> d
 
 def check_training_step(path: str, tp_size: int, forward_args: tuple[torch.Tensor, ...], labels: torch.Tensor,
                         ref_loss: torch.Tensor, ref_grads: dict[str, torch.Tensor],
-                        ref_norms: tuple[torch.Tensor, torch.Tensor], sequence_parallel: bool = False) -> int:
-    """On every rank: loss and every parameter's gradient equal transformers', eager and compiled (AOTAutograd
-    gradients, ``fullgraph=True``), and for decoder-only models with the loss from each rank's vocabulary
-    columns (``lm_head.cross_entropy``); the whole model's gradient norms (2 and inf) equal theirs, and
-    clipping to half the 2-norm scales every gradient by a half. Returns how many QKV layers had replicated
-    KV heads."""
+                        ref_norms: tuple[torch.Tensor, torch.Tensor], sequence_parallel: bool = False,
+                        compiled: bool = False) -> int:
+    """On every rank: loss and every parameter's gradient equal transformers', eager and, with ``compiled``,
+    compiled (AOTAutograd gradients, ``fullgraph=True``), and for decoder-only models with the loss from each
+    rank's vocabulary columns (``lm_head.cross_entropy``); the whole model's gradient norms (2 and inf) equal
+    theirs, and clipping to half the 2-norm scales every gradient by a half. Returns how many QKV layers had
+    replicated KV heads."""
     from tpkit.models import from_pretrained
     from tpkit.parallel_layers import (
         clip_grad_norm_,
@@ -84,8 +90,10 @@ def check_training_step(path: str, tp_size: int, forward_args: tuple[torch.Tenso
     expected = _sharded_like_weights(model, path, ref_grads)
     args = tuple(t.to(device()) for t in forward_args)
     labels = labels.to(device())
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
-    losses = [lambda: _loss(model(*args), labels), lambda: _loss(compiled(*args), labels)]
+    losses = [lambda: _loss(model(*args), labels)]
+    if compiled:
+        compiled_model = torch.compile(model, backend="aot_eager", fullgraph=True)
+        losses.append(lambda: _loss(compiled_model(*args), labels))
     if hasattr(model, "hidden_states"):  # decoder-only: the loss from each rank's vocabulary columns too
         positions = torch.arange(args[0].shape[1], device=device()).expand_as(args[0])
         losses.append(lambda: model.lm_head.cross_entropy(model.hidden_states(args[0], positions), labels))
@@ -148,24 +156,24 @@ def bart(tmp_path_factory):
     return _bart(tmp_path_factory, "bart_train", 11, 7, seed=3)
 
 
-@pytest.mark.parametrize("tp_size", [1, 2, 4])
-def test_llama_training_step(ranks, llama, tp_size):
+@pytest.mark.parametrize(("tp_size", "compiled"), [(1, False), (2, False), (4, True)])
+def test_llama_training_step(ranks, llama, tp_size, compiled):
     path, refs = llama
-    reduced = ranks.run(tp_size, check_training_step, path, tp_size, **refs, timeout=240)
+    reduced = ranks.run(tp_size, check_training_step, path, tp_size, **refs, compiled=compiled, timeout=240)
     assert set(reduced) == {2 if tp_size == 4 else 0}  # 2 KV heads: replicated at tp_size 4
 
 
-@pytest.mark.parametrize("tp_size", [1, 2, 4])
-def test_gpt_bigcode_training_step(ranks, gpt_bigcode, tp_size):
+@pytest.mark.parametrize(("tp_size", "compiled"), [(1, False), (2, True), (4, False)])
+def test_gpt_bigcode_training_step(ranks, gpt_bigcode, tp_size, compiled):
     path, refs = gpt_bigcode
-    reduced = ranks.run(tp_size, check_training_step, path, tp_size, **refs, timeout=240)
+    reduced = ranks.run(tp_size, check_training_step, path, tp_size, **refs, compiled=compiled, timeout=240)
     assert set(reduced) == {0 if tp_size == 1 else 2}  # multi-query: replicated from tp_size 2
 
 
-@pytest.mark.parametrize("tp_size", [1, 2, 4])
-def test_bart_training_step(ranks, bart, tp_size):
+@pytest.mark.parametrize(("tp_size", "compiled"), [(1, False), (2, True), (4, False)])
+def test_bart_training_step(ranks, bart, tp_size, compiled):
     path, refs = bart
-    ranks.run(tp_size, check_training_step, path, tp_size, **refs, timeout=240)
+    ranks.run(tp_size, check_training_step, path, tp_size, **refs, compiled=compiled, timeout=240)
 
 
 @pytest.fixture(scope="module", params=["llama", "gpt_bigcode"])
@@ -185,16 +193,18 @@ def bart_12_and_8_tokens(tmp_path_factory):
     return _bart(tmp_path_factory, "bart_sequence_parallel", 12, 8, seed=4)
 
 
-@pytest.mark.parametrize("tp_size", [2, 4])
-def test_sequence_parallel_training_step(ranks, decoder_only_16_tokens, tp_size):
+@pytest.mark.parametrize(("tp_size", "compiled"), [(2, True), (4, False)])
+def test_sequence_parallel_training_step(ranks, decoder_only_16_tokens, tp_size, compiled):
     path, refs = decoder_only_16_tokens
-    ranks.run(tp_size, check_training_step, path, tp_size, **refs, sequence_parallel=True, timeout=240)
+    ranks.run(tp_size, check_training_step, path, tp_size, **refs, sequence_parallel=True, compiled=compiled,
+              timeout=240)
 
 
-@pytest.mark.parametrize("tp_size", [2, 4])
-def test_bart_sequence_parallel_training_step(ranks, bart_12_and_8_tokens, tp_size):
+@pytest.mark.parametrize(("tp_size", "compiled"), [(2, True), (4, False)])
+def test_bart_sequence_parallel_training_step(ranks, bart_12_and_8_tokens, tp_size, compiled):
     path, refs = bart_12_and_8_tokens
-    ranks.run(tp_size, check_training_step, path, tp_size, **refs, sequence_parallel=True, timeout=240)
+    ranks.run(tp_size, check_training_step, path, tp_size, **refs, sequence_parallel=True, compiled=compiled,
+              timeout=240)
 
 
 def _sequence_parallel_refusals(path: str) -> list[str]:
