@@ -122,6 +122,7 @@ class Attention(nn.Module):
                              f"{layer_idx}")
         key_cache = kv_cache.key_caches[layer_idx]
         value_cache = kv_cache.value_caches[layer_idx]
+        k_scale, v_scale = kv_cache.scales(layer_idx)  # a float8 cache's; None otherwise
         if metadata.query_start_loc is None and q_len != 1:
             raise ValueError(f"Attention: query: expected q_len 1 at a decode step, got shape "
                              f"{list(query.shape)}")
@@ -133,7 +134,7 @@ class Attention(nn.Module):
             # [num_new, num_kv_heads, head_size]: views, the token stride stays that of the input.
             reshape_and_cache(key.reshape(num_new, self.num_kv_heads, self.head_size),
                               value.reshape(num_new, self.num_kv_heads, self.head_size),
-                              key_cache, value_cache, metadata.slot_mapping)
+                              key_cache, value_cache, metadata.slot_mapping, k_scale, v_scale)
         # [batch * q_len, num_heads, head_size]: a view where the model's query is one (a slice of its fused
         # q, k projection): the op takes any token and head strides, and a copy would be one more kernel a
         # layer in a compiled decode step. Only a strided last dimension is copied.
@@ -141,7 +142,8 @@ class Attention(nn.Module):
         if tokens.stride(-1) != 1:
             tokens = tokens.contiguous()
         out = paged_attention(tokens, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
-                              scale=self.scale, query_start_loc=metadata.query_start_loc, causal=self.causal)
+                              scale=self.scale, query_start_loc=metadata.query_start_loc, causal=self.causal,
+                              k_scale=k_scale, v_scale=v_scale)
         return out.view(batch, q_len, self.num_heads * self.head_size)
 
     def _check_hidden(self, name: str, tensor: torch.Tensor, num_heads: int,

@@ -251,17 +251,42 @@ void fill_cache_args(Args& a, at::Tensor& key_cache, at::Tensor& value_cache, co
   fill_cache_strides(a, key_cache, value_cache);
 }
 
+// A float8 cache's format, or TPKIT_FP8_NONE for a cache of key's dtype.
+tpkit_fp8_format fp8_format(at::ScalarType t) {
+  if (t == at::kFloat8_e4m3fn) return TPKIT_FP8_E4M3;
+  if (t == at::kFloat8_e5m2) return TPKIT_FP8_E5M2;
+  return TPKIT_FP8_NONE;
+}
+
+// A float8 cache's scale: float32, one entry or one per KV head, contiguous, on the caches' device.
+const float* scale_pointer(const char* name, const std::optional<at::Tensor>& scale, const at::Device& device,
+                           int64_t num_kv_heads, int64_t expected_numel) {
+  const char* op = "reshape_and_cache";
+  TPKIT_CHECK_VALUE(scale.has_value(), op, " (CUDA): ", name, ": expected a float32 scale for a float8 cache");
+  const at::Tensor& t = *scale;
+  TPKIT_CHECK_VALUE(t.device() == device && t.scalar_type() == at::kFloat && t.is_contiguous() &&
+                        (t.numel() == 1 || t.numel() == num_kv_heads) && t.numel() == expected_numel,
+                    op, " (CUDA): ", name, ": expected contiguous float32 of 1 or num_kv_heads = ", num_kv_heads,
+                    " entries (as many as k_scale) on ", device, ", got ", t.scalar_type(), " ", t.sizes(), " on ",
+                    t.device());
+  return t.data_ptr<float>();
+}
+
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache, at::Tensor value_cache,
-                       const at::Tensor& slot_mapping) {
+                       const at::Tensor& slot_mapping, const std::optional<at::Tensor>& k_scale,
+                       const std::optional<at::Tensor>& v_scale) {
   const char* op = "reshape_and_cache";
   const at::Device device = cuda_device(op, "key", key);
   const at::ScalarType dtype = key.scalar_type();
+  const at::ScalarType cache_dtype = key_cache.scalar_type();
+  const tpkit_fp8_format cache_fp8 = fp8_format(cache_dtype);
   check_tensor(op, "key", key, device, dtype, {kAny, kAny, kAny});
   const int64_t num_tokens = key.size(0), num_kv_heads = key.size(1), head_size = key.size(2);
   check_tensor(op, "value", value, device, dtype, {num_tokens, num_kv_heads, head_size});
-  check_tensor(op, "key_cache", key_cache, device, dtype, {kAny, kAny, num_kv_heads, head_size});
-  check_tensor(op, "value_cache", value_cache, device, dtype, {key_cache.size(0), key_cache.size(1), num_kv_heads,
-                                                               head_size});
+  check_tensor(op, "key_cache", key_cache, device, cache_fp8 == TPKIT_FP8_NONE ? dtype : cache_dtype,
+               {kAny, kAny, num_kv_heads, head_size});
+  check_tensor(op, "value_cache", value_cache, device, key_cache.scalar_type(),
+               {key_cache.size(0), key_cache.size(1), num_kv_heads, head_size});
   check_tensor(op, "slot_mapping", slot_mapping, device, at::kLong, {num_tokens});
   TPKIT_CHECK_VALUE(key_cache.stride(-1) == 1 && value_cache.stride(-1) == 1,
                     "reshape_and_cache (CUDA): caches: expected a contiguous last dimension, got strides ",
@@ -269,13 +294,20 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   TPKIT_CHECK_VALUE(key.size(0) <= INT32_MAX, "reshape_and_cache (CUDA): too many tokens: ", key.size(0));
   TPKIT_CHECK_VALUE(key.element_size() >= 2, "reshape_and_cache (CUDA): 1-byte dtypes are not supported, got ",
                     key.scalar_type());
+  tpkit_reshape_and_cache_args a{};
+  a.cache_fp8 = cache_fp8;
+  if (cache_fp8 != TPKIT_FP8_NONE) {
+    a.src_dtype = to_tpkit_dtype(dtype);
+    a.k_scale = scale_pointer("k_scale", k_scale, device, num_kv_heads, k_scale ? k_scale->numel() : 1);
+    a.v_scale = scale_pointer("v_scale", v_scale, device, num_kv_heads, k_scale->numel());
+    a.scale_per_head = k_scale->numel() == num_kv_heads && num_kv_heads > 1;
+  }
   if (key.numel() == 0) return;
 
   const c10::cuda::CUDAGuard guard(device);
   const at::Tensor k = key.stride(-1) == 1 ? key : key.contiguous();
   const at::Tensor v = value.stride(-1) == 1 ? value : value.contiguous();
   const at::Tensor slots = slot_mapping.contiguous();
-  tpkit_reshape_and_cache_args a{};
   a.key = k.data_ptr();
   a.value = v.data_ptr();
   fill_cache_args(a, key_cache, value_cache, slots);
@@ -518,7 +550,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Whether the kernels support (dtype code: 0 float16, 1 bfloat16, 2 float32; head_size; block_size).");
   m.def("supported_text", &tpkit_paged_attention_supported_text, "What the kernels support, in words.");
   m.def("reshape_and_cache", &reshape_and_cache, "Writes key/value into their cache slots (in place).",
-        py::arg("key"), py::arg("value"), py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"));
+        py::arg("key"), py::arg("value"), py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"),
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
   m.def("decode_linear", &decode_linear,
         "out = input @ weight.T (+ bias) for up to 16 rows; False where the kernel does not take these tensors.",
         py::arg("out"), py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("splits"),

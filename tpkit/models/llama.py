@@ -31,6 +31,7 @@ from tpkit.models.config_checks import LLAMA, check_config
 from tpkit.models.dropout import attend
 from tpkit.models.fused_decode import fused_decode_applies, fused_decode_step
 from tpkit.models.generation import PagedDecoderOnlyLM
+from tpkit.models.kv_scales import peel_kv_scales
 from tpkit.models.prompts import parse_eos_token_ids
 from tpkit.models.sequence_parallel import check_sequence_parallel, exit_sequence_parallel, mark_norms
 from tpkit.ops import RMSNorm, RotaryEmbedding, apply_rotary, decode_linear, rope_parameters, silu_and_mul
@@ -196,7 +197,12 @@ class LlamaForCausalLM(PagedDecoderOnlyLM):
         return self.lm_head.compute_logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
-        """Load HuggingFace ``(name, tensor)`` pairs (``model.`` prefix); returns the parameters loaded."""
+        """Load HuggingFace ``(name, tensor)`` pairs (``model.`` prefix); returns the parameters loaded. A
+        float8 KV cache's ``k_scale``/``v_scale`` tensors go into ``kv_cache_scales``."""
+        qkv = self.layers[0].self_attn.qkv_proj
+        kv_rank = qkv.tp_rank // qkv.num_kv_head_replicas
+        weights = peel_kv_scales(weights, self.kv_cache_scales,
+                                 (kv_rank * qkv.num_kv_heads, qkv.num_kv_heads), qkv.total_num_kv_heads)
         # Old checkpoints saved the rotary inverse frequencies; they are recomputed here.
         return load_weights(self, weights, self.stacked_params_mapping,
                             rename=lambda name: name.removeprefix("model."), ignore="rotary_emb.inv_freq")

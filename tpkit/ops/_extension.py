@@ -178,6 +178,8 @@ def paged_attention(
     alibi_slopes: torch.Tensor | None,
     query_start_loc: torch.Tensor | None = None,
     causal: bool = True,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> bool:
     """Runs the CUDA decode-attention kernel into ``out``; False when no kernel is available here.
 
@@ -189,7 +191,12 @@ def paged_attention(
 
     With ``query_start_loc`` (several query tokens a sequence) there is no kernel yet: False, after a
     warning (once) that the PyTorch implementation runs on the GPU instead.
+
+    A float8 cache (``k_scale`` and ``v_scale`` given) has no kernel yet either: False, and the PyTorch
+    implementation dequantizes it on the GPU; the kernel's loads do not convert float8.
     """
+    if k_scale is not None:
+        return False
     if query_start_loc is not None:
         _warn_multitoken_once()
         return False
@@ -211,13 +218,17 @@ def reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> bool:
     """Writes key/value ``[num_tokens, num_kv_heads, head_size]`` into their cache slots (int64
-    ``slot_mapping``, negative = skip) with the CUDA kernel; False when no kernel is available here."""
+    ``slot_mapping``, negative = skip) with the CUDA kernel; False when no kernel is available here. With
+    ``k_scale`` and ``v_scale`` (float32 ``[]`` or ``[num_kv_heads]``) the float8 caches get
+    ``saturate(x / scale)``."""
     module = _module_for(key.device)
     if module is None:
         return False
-    module.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    module.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
     return True
 
 
