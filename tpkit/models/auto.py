@@ -21,7 +21,8 @@ from tpkit.models.generation import PagedLM
 from tpkit.models.gpt_bigcode import GPTBigCodeForCausalLM
 from tpkit.models.llama import LlamaForCausalLM
 from tpkit.models.prompts import parse_eos_token_ids
-from tpkit.parallel_layers import TPGroup, get_tp_group, skip_init
+from tpkit.models.quantization import quant_method_from_config
+from tpkit.parallel_layers import TPGroup, get_tp_group, process_weights_after_loading, skip_init
 
 MODEL_CLASSES: dict[str, type[PagedLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -45,7 +46,8 @@ def from_pretrained(name_or_path: str | os.PathLike, *, dtype: torch.dtype | str
                     device: torch.device | str | None = None, tp_group: Any = None,
                     revision: str | None = None, cache_dir: str | os.PathLike | None = None,
                     sequence_parallel: bool = False,
-                    kv_cache_dtype: torch.dtype | str | None = None) -> PagedLM:
+                    kv_cache_dtype: torch.dtype | str | None = None,
+                    quantization: str | None = None) -> PagedLM:
     """This rank's shard of a HuggingFace checkpoint, built on ``device`` and loaded, in eval mode.
 
     dtype: default the checkpoint's (config.json ``dtype`` / ``torch_dtype``), else float32.
@@ -61,6 +63,10 @@ def from_pretrained(name_or_path: str | os.PathLike, *, dtype: torch.dtype | str
     ``"fp8"`` / ``"fp8_e4m3"``, or ``torch.float8_e5m2`` / ``"fp8_e5m2"``. A float8 cache's scales come from
     the checkpoint's ``k_scale``/``v_scale`` tensors where it has them, else 1.0
     (:func:`tpkit.attention.calibrated_kv_scales` computes some; set them in ``model.kv_cache_scales``).
+    Float8 weights load as the checkpoint's ``quantization_config`` says (compressed-tensors
+    ``float-quantized``, ``fbgemm_fp8``, block-wise ``fp8``: :mod:`tpkit.models.quantization`);
+    ``quantization="fp8"`` quantizes a high-precision checkpoint's linear layers per channel as it loads.
+    Llama-family models only.
     """
     if dtype is not None and not isinstance(dtype, (torch.dtype, str)):
         raise TypeError(f"dtype must be a torch.dtype, a dtype name or None, got {type(dtype).__name__}")
@@ -71,10 +77,17 @@ def from_pretrained(name_or_path: str | os.PathLike, *, dtype: torch.dtype | str
     cls = model_class(config)
     dtype = _as_dtype(dtype if dtype is not None else config.get("dtype") or config.get("torch_dtype"))
     device = torch.device(device) if device is not None else _default_device(tp_group)
+    quant_method = quant_method_from_config(config, quantization, str(path / "config.json"))
+    extra = {}
+    if quant_method is not None:
+        if cls is not LlamaForCausalLM:
+            raise ValueError(f"from_pretrained: float8 weights (quantization_config or quantization=) are "
+                             f"supported for Llama-family models, got {cls.__name__}")
+        extra["quant_method"] = quant_method
     # Every parameter is loaded below (strictly: one left out is an error), so random draws would be wasted.
     with skip_init():
         model = cls(config, dtype=dtype, device=device, tp_group=tp_group,
-                    sequence_parallel=sequence_parallel)
+                    sequence_parallel=sequence_parallel, **extra)
     generation_config = _read_json(path, "generation_config.json") or {}
     if generation_config.get("eos_token_id") is not None:
         model.eos_token_ids = parse_eos_token_ids(generation_config["eos_token_id"])
@@ -90,6 +103,7 @@ def from_pretrained(name_or_path: str | os.PathLike, *, dtype: torch.dtype | str
                 setattr(model, key, generation_config[key])
     model.kv_cache_dtype = _kv_cache_dtype(kv_cache_dtype, config)
     model.load_weights(iter_weights(path))
+    process_weights_after_loading(model)
     return model.eval()
 
 

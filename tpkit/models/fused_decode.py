@@ -53,6 +53,10 @@ def fused_decode_applies(model: LlamaForCausalLM, x: torch.Tensor, kv_cache: Pag
     # reshape_and_cache of the layers' forward.
     if kv_cache.is_fp8:
         return False
+    # The fused products multiply by the layers' weights as they are: quantized layers multiply through
+    # their method.
+    if model.layers[0].self_attn.qkv_proj.quant_method is not None:
+        return False
     if torch.is_grad_enabled() or model.sequence_parallel or model.layers[0].mlp.act is not F.silu:
         return False
     return model.fused_decode or decode_kernel_applies(x, model.layers[0].self_attn.qkv_proj.weight)

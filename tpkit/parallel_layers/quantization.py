@@ -83,11 +83,13 @@ class Fp8LinearMethod(QuantizationMethod):
             ``activation_scale_ub``), or None.
         quantize_on_load: the checkpoint holds the weight in high precision: it loads into a weight of the
             layer's dtype and is quantized (per channel) by :func:`process_weights_after_loading`.
+        scale_name: the scale parameter's name, as the checkpoint names it: by default ``weight_scale_inv``
+            for blocks (DeepSeek-V3's), else ``weight_scale``.
     """
 
     def __init__(self, weight_scheme: str = "channel", *, block_size: Sequence[int] = (128, 128),
                  static_input_scale: bool = False, activation_scale_ub: float | None = None,
-                 quantize_on_load: bool = False) -> None:
+                 quantize_on_load: bool = False, scale_name: str | None = None) -> None:
         if weight_scheme not in _SCHEMES:
             raise ValueError(f"Fp8LinearMethod: weight_scheme: expected one of {list(_SCHEMES)}, got "
                              f"{weight_scheme!r}")
@@ -103,15 +105,12 @@ class Fp8LinearMethod(QuantizationMethod):
         self.static_input_scale = static_input_scale
         self.activation_scale_ub = activation_scale_ub
         self.quantize_on_load = quantize_on_load
+        self.scale_name = scale_name or ("weight_scale_inv" if weight_scheme == "block" else "weight_scale")
 
     def __repr__(self) -> str:
         block = f", block_size={self.block_size}" if self.weight_scheme == "block" else ""
         return (f"Fp8LinearMethod({self.weight_scheme!r}{block}, static_input_scale="
                 f"{self.static_input_scale}, quantize_on_load={self.quantize_on_load})")
-
-    @property
-    def scale_name(self) -> str:
-        return "weight_scale_inv" if self.weight_scheme == "block" else "weight_scale"
 
     # Parameters -------------------------------------------------------------------------------------------
     def create_weights(self, layer: _LinearBase) -> None:
@@ -198,7 +197,7 @@ class Fp8LinearMethod(QuantizationMethod):
             return
         quantized, scale = self._quantize(layer.weight.detach(), 1, layer.shard_parts(layer.weight))
         layer.weight = nn.Parameter(quantized, requires_grad=False)
-        layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+        layer.register_parameter(self.scale_name, nn.Parameter(scale, requires_grad=False))
         _attach_weight_loaders(layer)
 
     # Products ---------------------------------------------------------------------------------------------
