@@ -24,23 +24,24 @@ from tpkit.loaders import CheckpointError
 _LINEAR = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")
 (INPUT_IDS,) = random_token_ids(256, (2, 7), seed=5)
 
+
+def _compressed_tensors(strategy: str, activations: dict) -> dict:
+    """compressed-tensors' quantization_config: one group of float 8-bit weights with ``strategy`` and
+    float 8-bit input activations as ``activations`` says."""
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+            "quantization_status": "compressed", "config_groups": {"group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True,
+                            "dynamic": False},
+                "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, **activations}}}}
+
+
 FORMATS = {
-    "compressed-tensors-channel": ("channel", "weight_scale", False, {
-        "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
-        "quantization_status": "compressed", "config_groups": {"group_0": {
-            "targets": ["Linear"],
-            "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True,
-                        "dynamic": False},
-            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
-                                  "dynamic": True}}}}),
-    "compressed-tensors-tensor-static": ("tensor", "weight_scale", True, {
-        "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
-        "config_groups": {"group_0": {
-            "targets": ["Linear"],
-            "weights": {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True,
-                        "dynamic": False},
-            "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True,
-                                  "dynamic": False}}}}),
+    "compressed-tensors-channel": ("channel", "weight_scale", False,
+                                   _compressed_tensors("channel", {"strategy": "token", "dynamic": True})),
+    "compressed-tensors-tensor-static": (
+        "tensor", "weight_scale", True,
+        _compressed_tensors("tensor", {"strategy": "tensor", "dynamic": False})),
     "fbgemm_fp8": ("channel", "weight_scale", False, {
         "quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0, "modules_to_not_convert": ["lm_head"]}),
     "fp8-block": ("block", "weight_scale_inv", False, {

@@ -13,14 +13,22 @@ namespace tpkit {
 
 constexpr int kCacheMaxThreads = 256;
 
+// The cache block and offset of a token's slot; false for a token not written: a negative slot (padding)
+// or one past the cache (never written outside it; TPKIT_DEBUG reports it).
+__device__ __forceinline__ bool token_slot(const tpkit_reshape_and_cache_args& p, int64_t token, int64_t& block,
+                                           int64_t& offset) {
+  const int64_t slot = p.slot_mapping[token];
+  if (slot < 0) return false;
+  block = slot / p.block_size;
+  offset = slot - block * p.block_size;
+  return block < p.num_blocks;
+}
+
 template <typename Vec>
 __global__ void __launch_bounds__(kCacheMaxThreads) reshape_and_cache_kernel(const tpkit_reshape_and_cache_args p) {
   const int64_t token = blockIdx.x;
-  const int64_t slot = p.slot_mapping[token];
-  if (slot < 0) return;  // padding
-  const int64_t block = slot / p.block_size;
-  const int64_t offset = slot - block * p.block_size;
-  if (block >= p.num_blocks) return;  // out of the cache: never write outside it (TPKIT_DEBUG reports it)
+  int64_t block, offset;
+  if (!token_slot(p, token, block, offset)) return;
   const int64_t es = p.elem_size;
   const int vecs_per_head = static_cast<int>(p.head_size * es / static_cast<int64_t>(sizeof(Vec)));
   const int n = p.num_kv_heads * vecs_per_head;
@@ -44,11 +52,8 @@ __global__ void __launch_bounds__(kCacheMaxThreads) reshape_and_cache_kernel(con
 template <typename Src, __nv_fp8_interpretation_t kFormat>
 __global__ void __launch_bounds__(kCacheMaxThreads) reshape_and_cache_fp8_kernel(const tpkit_reshape_and_cache_args p) {
   const int64_t token = blockIdx.x;
-  const int64_t slot = p.slot_mapping[token];
-  if (slot < 0) return;  // padding
-  const int64_t block = slot / p.block_size;
-  const int64_t offset = slot - block * p.block_size;
-  if (block >= p.num_blocks) return;  // out of the cache: never write outside it (TPKIT_DEBUG reports it)
+  int64_t block, offset;
+  if (!token_slot(p, token, block, offset)) return;
   const Src* key = static_cast<const Src*>(p.key) + token * p.key_stride_token;
   const Src* value = static_cast<const Src*>(p.value) + token * p.value_stride_token;
   __nv_fp8_storage_t* kc = static_cast<__nv_fp8_storage_t*>(p.key_cache) + block * p.kc_stride_block +
