@@ -167,8 +167,10 @@ class Fp8LinearMethod(QuantizationMethod):
         if self.weight_scheme == "channel":
             return scale.view(rows, 1)
         if self.weight_scheme == "tensor":
-            lengths = torch.tensor(_part_rows(parts, rows), device=scale.device)
-            return scale.repeat_interleave(lengths)[:, None]
+            # Each part's scale expanded over its rows: no index tensor made from host values (a copy that a
+            # CUDA graph capture refuses).
+            lengths = _part_rows(parts, rows)
+            return torch.cat([scale[i].expand(length) for i, length in enumerate(lengths)])[:, None]
         block_rows, block_columns = self.block_size
         return scale.repeat_interleave(block_rows, 0)[:rows].repeat_interleave(block_columns, 1)[:, :columns]
 
