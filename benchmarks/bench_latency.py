@@ -5,8 +5,8 @@
     PYTHONPATH=. python benchmarks/bench_latency.py --quantization fp8  # tpkit's Llama with float8 weights
 
 ``--quantization fp8`` gives tpkit's Llama float8 weights (its random weights quantized per channel; the
-products on float8 tensor cores where the GPU has them) and ``--kv-cache-dtype fp8`` a float8 KV cache;
-transformers runs bf16 as before.
+decode steps' products on tpkit's decode kernel reading float8, the prefill's on float8 tensor cores) and
+``--kv-cache-dtype fp8`` a float8 KV cache; transformers runs bf16 as before.
 
 Three parts, each reported even when another fails:
 
@@ -46,6 +46,7 @@ from torch import nn
 
 from tpkit.attention import PagedKVCache
 from tpkit.models import BartForConditionalGeneration, GPTBigCodeForCausalLM, LlamaForCausalLM
+from tpkit.ops import decode_linear_fp8
 from tpkit.parallel_layers import Fp8LinearMethod, QKVCrossParallelLinear, QKVParallelLinear
 
 BASELINE = json.loads((Path(__file__).parent / "baselines" / "e2e_latency_h200.json").read_text())
@@ -141,7 +142,8 @@ def llama_latency(setup: Setup, args: argparse.Namespace) -> dict:
 
 
 def tpkit_latency(setup: Setup, args: argparse.Namespace, config: dict, prompts: list[list[int]]) -> dict:
-    quant_method = Fp8LinearMethod("channel") if args.quantization == "fp8" else None
+    quant_method = (Fp8LinearMethod("channel", decode_op=decode_linear_fp8) if args.quantization == "fp8"
+                    else None)
     model = LlamaForCausalLM(config, dtype=setup.dtype, device=setup.device, quant_method=quant_method).eval()
     model.kv_cache_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else None
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -11,7 +11,7 @@ from cuda_graphs import capture
 
 from tpkit.attention import Attention, PagedKVCache
 from tpkit.models import LlamaForCausalLM
-from tpkit.ops import _extension
+from tpkit.ops import _extension, decode_linear_fp8
 from tpkit.ops.paged_attention_reference import reshape_and_cache_reference
 from tpkit.parallel_layers import Fp8LinearMethod, MergedColumnParallelLinear, RowParallelLinear
 
@@ -113,3 +113,27 @@ def test_fp8_llama_generates_the_same_tokens_in_graphs():
     prompts = [[5, 6, 7, 8], [9, 10]]
     eager = model.generate(prompts, 8, ignore_eos=True)
     assert model.generate(prompts, 8, ignore_eos=True, cuda_graph=True) == eager
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("num_rows", [1, 5, 16])
+def test_decode_kernel_reading_float8_weights(dtype, num_rows):
+    """The decode kernel's product of float8 weights against the float32 product of the dequantized weight
+    (the conversion to the dtype is exact: only the accumulation order and the output's rounding differ),
+    for every split, then through the wrapper inside a CUDA graph."""
+    torch.manual_seed(4)
+    weight = (torch.randn(384, 512, device="cuda") * 40).to(torch.float8_e4m3fn)
+    scale = torch.rand(384, device="cuda") * 0.01 + 1e-3
+    x = torch.randn(num_rows, 512, device="cuda", dtype=dtype)
+    bias = torch.randn(384, device="cuda", dtype=dtype)
+    exact = x.float() @ (weight.float() * scale[:, None]).T + bias.float()
+    tolerance = (2e-3 if dtype == torch.float16 else 1e-2) * exact.abs().max()
+    module = _extension._module_for(x.device)
+    for splits in (1, 2, 4, 8):
+        out = torch.empty(num_rows, 384, device="cuda", dtype=dtype)
+        assert module.decode_linear_fp8(out, x, weight, scale, bias, splits)
+        assert (out.float() - exact).abs().max() <= tolerance
+    with torch.inference_mode():
+        graph, replayed = capture(lambda: decode_linear_fp8(x, weight, scale, bias))
+        graph.replay()
+        assert (replayed.float() - exact).abs().max() <= tolerance

@@ -169,3 +169,25 @@ def test_bad_fp8_input_is_named():
                                          r"block size 32"):
         MergedColumnParallelLinear(64, [48, 32], bias=False, quant_method=Fp8LinearMethod("block",
                                                                                            block_size=BLOCK))
+
+
+def test_decode_linear_fp8_op_and_its_cpu_fallback():
+    """The op's PyTorch implementation is the dequantized product; the wrapper declines (None) where the
+    kernel cannot run, here on the CPU, and the method then multiplies the dequantized weight."""
+    from tpkit.ops import decode_linear_fp8
+
+    gen = torch.Generator().manual_seed(2)
+    w, x = torch.randn(64, 96, generator=gen), torch.randn(4, 96, generator=gen).bfloat16()
+    q, s = quantize(w, "channel")
+    bias = torch.randn(64, generator=gen).bfloat16()
+    expected = F.linear(x, dequantize(q, s, "channel").bfloat16(), bias)
+    assert torch.equal(torch.ops.tpkit.decode_linear_fp8(x, q, s.view(-1), bias), expected)
+    torch.library.opcheck(torch.ops.tpkit.decode_linear_fp8.default, (x, q, s.view(-1), bias),
+                          test_utils=("test_autograd_registration", "test_faketensor"))
+    assert decode_linear_fp8(x, q, s.view(-1), bias) is None
+    layer = ReplicatedLinear(96, 64, params_dtype=torch.bfloat16,
+                             quant_method=Fp8LinearMethod(decode_op=decode_linear_fp8))
+    _load(layer, "weight", q)
+    _load(layer, "weight_scale", s)
+    layer.bias.data.copy_(bias)
+    assert torch.equal(layer(x), expected)

@@ -327,12 +327,12 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 // in_features], out [num_rows, out_features] (with silu_and_mul, [num_rows, out_features / 2]).
 bool fill_decode_linear_args(tpkit_decode_linear_args& a, at::Tensor& out, const at::Tensor& input,
                              const at::Tensor& weight, const std::optional<at::Tensor>& bias, int64_t splits,
-                             bool silu_and_mul) {
+                             bool silu_and_mul, bool fp8_weight = false) {
   const char* op = "decode_linear";
   const at::Device device = cuda_device(op, "input", input);
   const at::ScalarType dtype = input.scalar_type();
   check_tensor(op, "input", input, device, dtype, {kAny, kAny});
-  check_tensor(op, "weight", weight, device, dtype, {kAny, input.size(1)});
+  check_tensor(op, "weight", weight, device, fp8_weight ? at::kFloat8_e4m3fn : dtype, {kAny, input.size(1)});
   TPKIT_CHECK_VALUE(!silu_and_mul || weight.size(0) % 2 == 0,
                     "decode_linear (CUDA): silu_and_mul: expected a weight of an even number of rows (gate, up), "
                     "got ", weight.sizes());
@@ -388,6 +388,19 @@ bool decode_linear(at::Tensor out, const at::Tensor& input, const at::Tensor& we
   tpkit_decode_linear_args a{};
   return fill_decode_linear_args(a, out, input, weight, bias, splits, silu_and_mul) &&
          fill_rms_scale(a, rms_sums, eps, input.device(), "decode_linear") && launch_decode_linear(a, input);
+}
+
+// out = input @ (weight * weight_scale[:, None])^T (+ bias) with the decode linear kernel reading float8
+// (E4M3) weights [out_features, in_features] and their float32 per-row scales [out_features]; false where the
+// kernel does not take these tensors.
+bool decode_linear_fp8(at::Tensor out, const at::Tensor& input, const at::Tensor& weight,
+                       const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias, int64_t splits) {
+  tpkit_decode_linear_args a{};
+  if (!fill_decode_linear_args(a, out, input, weight, bias, splits, false, true)) return false;
+  check_tensor("decode_linear_fp8", "weight_scale", weight_scale, input.device(), at::kFloat, {weight.size(0)});
+  if (!weight_scale.is_contiguous()) return false;
+  a.weight_scale = weight_scale.data_ptr<float>();
+  return launch_decode_linear(a, input);
 }
 
 // The producer's half of an RMSNorm split across two products (decode_linear.h): out = residual + input @
@@ -556,6 +569,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "out = input @ weight.T (+ bias) for up to 16 rows; False where the kernel does not take these tensors.",
         py::arg("out"), py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("splits"),
         py::arg("silu_and_mul") = false, py::arg("rms_sums") = py::none(), py::arg("eps") = 0.0);
+  m.def("decode_linear_fp8", &decode_linear_fp8,
+        "out = input @ (weight * weight_scale[:, None]).T (+ bias) for up to 16 rows of float8 weights; False "
+        "where the kernel does not take these tensors.",
+        py::arg("out"), py::arg("input"), py::arg("weight"), py::arg("weight_scale"), py::arg("bias"),
+        py::arg("splits") = 0);
   m.def("decode_linear_residual_norm", &decode_linear_residual_norm,
         "out = residual + input @ weight.T (+ bias) for up to 16 rows, normed = out * norm_weight, sums += the "
         "rows' sums of squares, zero_sums zeroed; False where the kernel does not take these tensors.",

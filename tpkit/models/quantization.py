@@ -21,9 +21,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from tpkit.loaders import CheckpointError
+from tpkit.ops import decode_linear_fp8
 from tpkit.parallel_layers import Fp8LinearMethod, QuantizationMethod
 
 QUANTIZATIONS = ("fp8",)
+
+
+def _fp8(*args: Any, **kwargs: Any) -> Fp8LinearMethod:
+    """An :class:`Fp8LinearMethod` whose decode steps run tpkit's decode kernel on float8 weights."""
+    return Fp8LinearMethod(*args, decode_op=decode_linear_fp8, **kwargs)
 
 
 def quant_method_from_config(config: Mapping[str, Any], quantization: str | None = None,
@@ -36,7 +42,7 @@ def quant_method_from_config(config: Mapping[str, Any], quantization: str | None
                          f"got {quantization!r}")
     quant = config.get("quantization_config")
     if not quant:
-        return Fp8LinearMethod("channel", quantize_on_load=True) if quantization == "fp8" else None
+        return _fp8("channel", quantize_on_load=True) if quantization == "fp8" else None
     if not isinstance(quant, Mapping):
         raise CheckpointError(f"{where}: quantization_config: expected an object, got {type(quant).__name__}")
     method = quant.get("quant_method")
@@ -45,18 +51,18 @@ def quant_method_from_config(config: Mapping[str, Any], quantization: str | None
     _check_skipped(quant.get("modules_to_not_convert"), where, "modules_to_not_convert")
     if method == "fbgemm_fp8":
         bound = quant.get("activation_scale_ub")
-        return Fp8LinearMethod("channel", activation_scale_ub=None if bound is None else float(bound))
+        return _fp8("channel", activation_scale_ub=None if bound is None else float(bound))
     if method == "fp8":
         static = _activation_scheme(quant.get("activation_scheme", "dynamic"), where)
         if quant.get("fmt", "e4m3") != "e4m3":
             raise CheckpointError(f"{where}: quantization_config.fmt: expected 'e4m3', got {quant['fmt']!r}")
         block = quant.get("weight_block_size")
         if block is None:
-            return Fp8LinearMethod("tensor", static_input_scale=static)
+            return _fp8("tensor", static_input_scale=static)
         if static:
             raise CheckpointError(f"{where}: quantization_config: block-wise weights take dynamic "
                                   "activations: expected activation_scheme 'dynamic', got 'static'")
-        return Fp8LinearMethod("block", block_size=tuple(block))
+        return _fp8("block", block_size=tuple(block))
     raise CheckpointError(f"{where}: quantization_config.quant_method: expected 'compressed-tensors', "
                           f"'fbgemm_fp8' or 'fp8', got {method!r}")
 
@@ -105,4 +111,4 @@ def _compressed_tensors(quant: Mapping[str, Any], where: str) -> QuantizationMet
             raise CheckpointError(f"{where}: config_groups input_activations.strategy: expected "
                                   f"{expected!r} for dynamic={not static}, got {got!r}")
     block = tuple(weights.get("block_structure") or (128, 128))
-    return Fp8LinearMethod(strategy, block_size=block, static_input_scale=static, scale_name="weight_scale")
+    return _fp8(strategy, block_size=block, static_input_scale=static, scale_name="weight_scale")

@@ -278,6 +278,20 @@ def decode_linear(
                                                        rms_sums, eps)
 
 
+def decode_linear_fp8(
+    out: torch.Tensor,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> bool:
+    """``out = input @ (weight * weight_scale[:, None]).T (+ bias)`` with the decode linear kernel reading
+    float8 (E4M3) weights; False where no kernel is available here or the kernel does not take these tensors
+    (those of :func:`decode_linear`, with weight float8 and weight_scale float32 ``[out_features]``)."""
+    module = _module_for(input.device)
+    return module is not None and module.decode_linear_fp8(out, input, weight, weight_scale, bias)
+
+
 def decode_linear_residual_norm(
     out: torch.Tensor,
     normed: torch.Tensor,

@@ -30,7 +30,7 @@ weight is dequantized to the input's dtype and multiplied, the activations unqua
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -85,11 +85,16 @@ class Fp8LinearMethod(QuantizationMethod):
             layer's dtype and is quantized (per channel) by :func:`process_weights_after_loading`.
         scale_name: the scale parameter's name, as the checkpoint names it: by default ``weight_scale_inv``
             for blocks (DeepSeek-V3's), else ``weight_scale``.
+        decode_op: a product for a decode step's few rows, ``decode_op(input, weight, row_scales, bias)``
+            with the float8 weight and float32 per-row scales, returning the output or None where it does
+            not apply (``tpkit.ops.decode_linear_fp8``, tpkit's decode kernel; this package imports no
+            kernels); tried first for per-tensor and per-channel scales.
     """
 
     def __init__(self, weight_scheme: str = "channel", *, block_size: Sequence[int] = (128, 128),
                  static_input_scale: bool = False, activation_scale_ub: float | None = None,
-                 quantize_on_load: bool = False, scale_name: str | None = None) -> None:
+                 quantize_on_load: bool = False, scale_name: str | None = None,
+                 decode_op: Callable[..., torch.Tensor | None] | None = None) -> None:
         if weight_scheme not in _SCHEMES:
             raise ValueError(f"Fp8LinearMethod: weight_scheme: expected one of {list(_SCHEMES)}, got "
                              f"{weight_scheme!r}")
@@ -106,6 +111,7 @@ class Fp8LinearMethod(QuantizationMethod):
         self.activation_scale_ub = activation_scale_ub
         self.quantize_on_load = quantize_on_load
         self.scale_name = scale_name or ("weight_scale_inv" if weight_scheme == "block" else "weight_scale")
+        self.decode_op = decode_op
 
     def __repr__(self) -> str:
         block = f", block_size={self.block_size}" if self.weight_scheme == "block" else ""
@@ -215,11 +221,16 @@ class Fp8LinearMethod(QuantizationMethod):
     def apply(self, layer: _LinearBase, input_: torch.Tensor, bias: torch.Tensor | None,
               rows: slice | None = None) -> torch.Tensor:
         weight = layer.weight if rows is None else layer.weight[rows]
-        if weight.dtype == FP8 and self.weight_scheme != "block" and _scaled_mm_applies(input_, weight):
+        per_row = weight.dtype == FP8 and self.weight_scheme != "block" and input_.is_cuda
+        if per_row:
             row_scales = self._expand(getattr(layer, self.scale_name), layer.weight.shape,
                                       layer.shard_parts(layer.weight)).reshape(-1)  # [out_per_partition]
             if rows is not None:
                 row_scales = row_scales[rows]
+            out = None if self.decode_op is None else self.decode_op(input_, weight, row_scales, bias)
+            if out is not None:
+                return out
+        if per_row and _scaled_mm_applies(input_, weight):
             input_scale = layer.input_scale.max() if self.static_input_scale else None
             return _fp8_product(input_, weight, row_scales, bias, input_scale, self.activation_scale_ub)
         dequantized = self.dequantized_weight(layer, input_.dtype)
