@@ -22,7 +22,8 @@ class Attention(nn.Module):
       ``key_lens``). Outputs at padded query positions are finite but meaningless.
     - With a cache, the step's new K/V (if given: a cross-attention step that only reads passes none) are
       written with ``reshape_and_cache`` at ``metadata.slot_mapping``, one slot a token of ``key``
-      flattened, then the query attends over the cache with ``paged_attention``:
+      flattened, then the query attends over the cache with ``paged_attention`` (a float8 cache's write
+      quantizes and its attention dequantizes with the cache's scales, ``kv_cache.scales(layer_idx)``):
 
       - a packed step (``metadata.query_start_loc`` set: a prefill, with or without a cached prefix, a
         chunk, speculative tokens, a mix with decodes): the query's tokens, flattened (``[1, num_tokens,
