@@ -59,6 +59,19 @@ def _load(layer, name, tensor, shard_id=None):
     param.weight_loader(param, tensor, shard_id)
 
 
+def _check_shard_parts(layer, name, checkpoint):
+    """Every ShardPart of the layer's parameter ``name`` is where the checkpoint tensors (by shard id) hold
+    its values: what tpkit.checkpoint saves and loads at any tp_size."""
+    param = getattr(layer, name)
+    for part in layer.shard_parts(param):
+        full = checkpoint[part.shard_id]
+        if part.dim is None:
+            continue
+        assert tuple(full.shape) == part.shape
+        assert torch.equal(param.narrow(part.dim, part.param_start, part.length),
+                           full.narrow(part.dim, part.start, part.length))
+
+
 def _check_fp8_layers(tp_size: int) -> None:
     from tpkit.parallel_layers import init_tensor_parallel
 
@@ -81,6 +94,10 @@ def _check_fp8_layers(tp_size: int) -> None:
         rows = [full["q"][tp.rank * 128 // tp_size:][:128 // tp_size],
                 full["k"][tp.rank * 32:][:64 // tp_size], full["v"][tp.rank * 32:][:64 // tp_size]]
         torch.testing.assert_close(qkv(x).double(), x.double() @ torch.cat(rows).T, rtol=1e-5, atol=1e-5)
+        if scheme != "tensor":
+            _check_shard_parts(qkv, scale_name, {name: s for name, (_, s) in quantized.items()})
+        else:
+            assert [p.dim for p in qkv.shard_parts(qkv.weight_scale)] == [None]
         cross = QKVCrossParallelLinear(64, 32, 4, 2, bias=False, quant_method=method)
         cross.load_state_dict(qkv.state_dict())
         q_out, k_out, _ = cross(x, x[:2])
@@ -106,6 +123,7 @@ def _check_fp8_layers(tp_size: int) -> None:
         row = RowParallelLinear(64, 48, bias=False, quant_method=method)
         _load(row, "weight", dq)
         _load(row, scale_name, ds)
+        _check_shard_parts(row, scale_name, {None: ds})
         columns = 64 // tp_size
         out = row(x[:, tp.rank * columns:][:, :columns])
         torch.testing.assert_close(out.double(), x.double() @ dequantize(dq, ds, scheme).T, rtol=1e-5,

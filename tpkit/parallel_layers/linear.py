@@ -115,6 +115,10 @@ class _LinearBase(_UsesLinearOp, _LoadableModule):
             return self.quant_method.apply(self, input_, bias, rows)
         return self.linear_op(input_, self.weight if rows is None else self.weight[rows], bias)
 
+    def _quantized_shard_parts(self, param: nn.Parameter) -> tuple[ShardPart, ...] | None:
+        """A quantization method's parameters' layout (its scales'), or None for the layer's own rule."""
+        return None if self.quant_method is None else self.quant_method.shard_parts(self, param)
+
     def _grad_holders(self, param: nn.Parameter) -> int | torch.Tensor:
         """How many ranks of the group hold each row of ``param`` (an int, or one a row): gradient norms count
         every row once. ReplicatedLinear's default: every rank."""
@@ -225,6 +229,9 @@ class _ColumnParallelBase(_LinearBase):
         return [(None, self.output_size, self.tp_rank * rows, rows, 0)]
 
     def shard_parts(self, param: nn.Parameter) -> tuple[ShardPart, ...]:
+        quantized = self._quantized_shard_parts(param)
+        if quantized is not None:
+            return quantized
         return tuple(ShardPart(shard_id, (total, *param.shape[1:]), 0, start, length, param_start)
                      for shard_id, total, start, length, param_start in self._logical_rows())
 
@@ -570,6 +577,9 @@ class RowParallelLinear(_LinearBase):
         return 1 if param is self.weight else self.tp_size  # the bias: on every rank
 
     def shard_parts(self, param: nn.Parameter) -> tuple[ShardPart, ...]:
+        quantized = self._quantized_shard_parts(param)
+        if quantized is not None:
+            return quantized
         if param is not self.weight:
             return replicated(param)
         columns = self.input_size_per_partition

@@ -39,7 +39,7 @@ from torch import nn
 
 from ._init import _skipping
 from ._loading import Piece, _attach_weight_loaders, _check_shape, _copy_pieces, _copy_whole
-from .sharding import ShardPart
+from .sharding import ShardPart, replicated
 
 if TYPE_CHECKING:
     from .linear import _LinearBase
@@ -69,6 +69,11 @@ class QuantizationMethod:
 
     def process_weights_after_loading(self, layer: _LinearBase) -> None:
         """Finish the layer's weights once the checkpoint is in them."""
+
+    def shard_parts(self, layer: _LinearBase, param: nn.Parameter) -> tuple[ShardPart, ...] | None:
+        """Where the method's own parameters lie over the ranks (``tpkit.parallel_layers.sharding``), or
+        None where the layer's rule for its rows and columns holds."""
+        return None
 
 
 class Fp8LinearMethod(QuantizationMethod):
@@ -207,6 +212,24 @@ class Fp8LinearMethod(QuantizationMethod):
         layer.weight = nn.Parameter(quantized, requires_grad=False)
         layer.register_parameter(self.scale_name, nn.Parameter(scale, requires_grad=False))
         _attach_weight_loaders(layer)
+
+    def shard_parts(self, layer: _LinearBase, param: nn.Parameter) -> tuple[ShardPart, ...] | None:
+        """Per-tensor and input scales: the same on every rank. Block scales: the weight's parts in tiles.
+        Per-channel scales: the layer's rule (rows with the weight's, whole where it splits columns)."""
+        name = next((n for n, p in layer.named_parameters(recurse=False) if p is param), None)
+        if name == "input_scale" or (name == self.scale_name and self.weight_scheme == "tensor"):
+            return replicated(param)
+        if name != self.scale_name or self.weight_scheme != "block":
+            return None
+        parts = []
+        for part in layer.shard_parts(layer.weight):
+            shape = tuple(-(-size // unit) for size, unit in zip(part.shape, self.block_size, strict=True))
+            if part.dim is None:
+                return replicated(param)
+            unit = self.block_size[part.dim]
+            parts.append(ShardPart(part.shard_id, shape, part.dim, part.start // unit,
+                                   -(-part.length // unit), part.param_start // unit))
+        return tuple(parts)
 
     # Products ---------------------------------------------------------------------------------------------
     def dequantized_weight(self, layer: _LinearBase, dtype: torch.dtype) -> torch.Tensor:
