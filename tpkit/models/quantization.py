@@ -82,12 +82,14 @@ def _check_skipped(modules: object, where: str, key: str) -> None:
                                   "supported (only the LM head may be left out)")
 
 
-def _compressed_tensors(quant: Mapping[str, Any], where: str) -> QuantizationMethod:
+def _compressed_tensors(quant: Mapping[str, Any], where: str) -> QuantizationMethod | None:
+    groups = list((quant.get("config_groups") or {}).values())
+    if not groups:  # no quantized weights: a float8 KV cache's kv_cache_scheme alone
+        return None
     fmt = quant.get("format")
     if fmt not in ("float-quantized", "naive-quantized"):
         raise CheckpointError(f"{where}: quantization_config.format: expected 'float-quantized', got {fmt!r}")
     _check_skipped(quant.get("ignore"), where, "ignore")
-    groups = list((quant.get("config_groups") or {}).values())
     if len(groups) != 1:
         raise CheckpointError(f"{where}: quantization_config.config_groups: expected one group (every "
                               f"linear layer alike), got {len(groups)}")
