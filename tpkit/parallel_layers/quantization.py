@@ -20,11 +20,13 @@ loaded in high precision).
   as those checkpoints name it (it multiplies all the same); a rank's rows and columns must start at tile
   boundaries.
 
-Activations are quantized per token at each call (dynamic), or with a static ``input_scale`` of the
-checkpoint (one a part; the product uses their maximum, the one scale the shared input can have). On a CUDA
-device of compute capability 8.9 or newer the per-tensor and per-channel products run on float8 tensor
-cores (``torch._scaled_mm``, the scales in its epilogue); elsewhere (the CPU, older GPUs, block scales) the
-weight is dequantized to the input's dtype and multiplied, the activations unquantized.
+On CUDA, per-tensor and per-channel products of a decode step's few rows run the method's ``decode_op``
+where it has one (tpkit's decode kernel reading the float8 weight, activations unquantized); other products
+on a device of compute capability 8.9 or newer run on float8 tensor cores (``torch._scaled_mm``, the scales
+in its epilogue), the activations quantized per token at each call (dynamic) or with a static
+``input_scale`` of the checkpoint (one a part; the product uses their maximum, the one scale the shared
+input can have). Elsewhere (the CPU, older GPUs, block scales) the weight is dequantized to the input's
+dtype and multiplied, the activations unquantized.
 """
 
 from __future__ import annotations
@@ -44,8 +46,8 @@ from .sharding import ShardPart, replicated
 if TYPE_CHECKING:
     from .linear import _LinearBase
 
-FP8 = torch.float8_e4m3fn
-_FP8_MAX = torch.finfo(FP8).max
+_FP8 = torch.float8_e4m3fn  # the weights' format (OCP E4M3)
+_FP8_MAX = torch.finfo(_FP8).max
 _SCHEMES = ("tensor", "channel", "block")
 _MIN_SCALE = 1e-12  # an all-zero row or tile quantizes to zeros with this scale, never divides by zero
 
@@ -133,7 +135,7 @@ class Fp8LinearMethod(QuantizationMethod):
         weight = layer.weight.detach()
         if _skipping.get() or weight.is_meta:
             # Built to be loaded: no values to quantize.
-            quantized = torch.empty_like(weight, dtype=FP8)
+            quantized = torch.empty_like(weight, dtype=_FP8)
             scale = torch.ones(self._scale_shape(layer, len(parts)), device=weight.device)
         else:
             quantized, scale = self._quantize(weight, len(parts), parts)
@@ -169,7 +171,7 @@ class Fp8LinearMethod(QuantizationMethod):
             scale = _tile_amax(w, self.block_size) / _FP8_MAX  # [row_tiles, column_tiles]
         scale = scale.clamp(min=_MIN_SCALE)
         expanded = self._expand(scale, w.shape, parts)
-        return (w / expanded).clamp(-_FP8_MAX, _FP8_MAX).to(FP8), scale
+        return (w / expanded).clamp(-_FP8_MAX, _FP8_MAX).to(_FP8), scale
 
     def _expand(self, scale: torch.Tensor, shape: torch.Size | tuple[int, int],
                 parts: Sequence[ShardPart]) -> torch.Tensor:
@@ -192,8 +194,8 @@ class Fp8LinearMethod(QuantizationMethod):
         where = f"{type(layer).__name__}.{name}{shard}"
         if name == "weight":
             dtype = getattr(loaded_weight, "dtype", None)
-            if dtype is not None and dtype != FP8:
-                raise ValueError(f"{where}: expected a {FP8} checkpoint tensor (the layer holds float8 "
+            if dtype is not None and dtype != _FP8:
+                raise ValueError(f"{where}: expected a {_FP8} checkpoint tensor (the layer holds float8 "
                                  f"weights: the checkpoint's quantization_config), received {dtype}")
             layer.weight_loader(param, loaded_weight, loaded_shard_id)
             return
@@ -206,7 +208,7 @@ class Fp8LinearMethod(QuantizationMethod):
                          channel=self.weight_scheme == "channel")
 
     def process_weights_after_loading(self, layer: _LinearBase) -> None:
-        if not self.quantize_on_load or layer.weight.dtype == FP8:
+        if not self.quantize_on_load or layer.weight.dtype == _FP8:
             return
         quantized, scale = self._quantize(layer.weight.detach(), 1, layer.shard_parts(layer.weight))
         layer.weight = nn.Parameter(quantized, requires_grad=False)
@@ -235,7 +237,7 @@ class Fp8LinearMethod(QuantizationMethod):
     def dequantized_weight(self, layer: _LinearBase, dtype: torch.dtype) -> torch.Tensor:
         """The layer's weight ``[out_per_partition, in_per_partition]`` as ``weight.float() * scale`` in
         ``dtype``."""
-        if layer.weight.dtype != FP8:
+        if layer.weight.dtype != _FP8:
             return layer.weight.to(dtype)
         scale = getattr(layer, self.scale_name)
         parts = layer.shard_parts(layer.weight)
@@ -244,7 +246,7 @@ class Fp8LinearMethod(QuantizationMethod):
     def apply(self, layer: _LinearBase, input_: torch.Tensor, bias: torch.Tensor | None,
               rows: slice | None = None) -> torch.Tensor:
         weight = layer.weight if rows is None else layer.weight[rows]
-        per_row = weight.dtype == FP8 and self.weight_scheme != "block" and input_.is_cuda
+        per_row = weight.dtype == _FP8 and self.weight_scheme != "block" and input_.is_cuda
         if per_row:
             row_scales = self._expand(getattr(layer, self.scale_name), layer.weight.shape,
                                       layer.shard_parts(layer.weight)).reshape(-1)  # [out_per_partition]
@@ -260,19 +262,19 @@ class Fp8LinearMethod(QuantizationMethod):
         return F.linear(input_, dequantized if rows is None else dequantized[rows], bias)
 
 
-def set_quant_method(module: nn.Module, method: QuantizationMethod | None,
-                     skip: Sequence[str] = ()) -> int:
+def set_quant_method(module: nn.Module, method: QuantizationMethod, skip: Sequence[str] = ()) -> int:
     """Gives every tpkit linear layer in ``module`` (itself included) ``method``, except those whose name
     (``module.named_modules()``) is in ``skip`` or ends with ``"." + entry``; their weights are converted
     as :meth:`QuantizationMethod.create_weights` does. Returns how many layers."""
     from .linear import _LinearBase
 
+    if not isinstance(method, QuantizationMethod):
+        raise TypeError(f"set_quant_method: method: expected a QuantizationMethod, got "
+                        f"{type(method).__name__}")
     count = 0
     for name, layer in module.named_modules():
         if not isinstance(layer, _LinearBase) or any(name == s or name.endswith("." + s) for s in skip):
             continue
-        if method is None:
-            raise ValueError("set_quant_method: method: expected a QuantizationMethod, got None")
         if layer.quant_method is not None:
             raise ValueError(f"set_quant_method: {name or type(layer).__name__} already has "
                              f"{layer.quant_method!r}")
@@ -398,7 +400,7 @@ def _fp8_product(input_: torch.Tensor, weight: torch.Tensor, row_scales: torch.T
         scale_a = (amax / _FP8_MAX).clamp(min=_MIN_SCALE)
     else:
         scale_a = input_scale.float().expand(rows.shape[0], 1).contiguous()
-    quantized = (rows.float() / scale_a).clamp(-_FP8_MAX, _FP8_MAX).to(FP8)
+    quantized = (rows.float() / scale_a).clamp(-_FP8_MAX, _FP8_MAX).to(_FP8)
     out = torch._scaled_mm(quantized, weight.t(), scale_a=scale_a, scale_b=row_scales.float().view(1, -1),
                            out_dtype=input_.dtype)
     if bias is not None:
