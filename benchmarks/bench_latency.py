@@ -2,6 +2,11 @@
 
     PYTHONPATH=. python benchmarks/bench_latency.py            # one GPU: the shapes below, bf16 (minutes)
     PYTHONPATH=. python benchmarks/bench_latency.py --small    # tiny shapes on the CPU, under a minute
+    PYTHONPATH=. python benchmarks/bench_latency.py --quantization fp8  # tpkit's Llama with float8 weights
+
+``--quantization fp8`` gives tpkit's Llama float8 weights (its random weights quantized per channel; the
+decode steps' products on tpkit's decode kernel reading float8, the prefill's on float8 tensor cores) and
+``--kv-cache-dtype fp8`` a float8 KV cache; transformers runs bf16 as before.
 
 Three parts, each reported even when another fails:
 
@@ -41,7 +46,8 @@ from torch import nn
 
 from tpkit.attention import PagedKVCache
 from tpkit.models import BartForConditionalGeneration, GPTBigCodeForCausalLM, LlamaForCausalLM
-from tpkit.parallel_layers import QKVCrossParallelLinear, QKVParallelLinear
+from tpkit.ops import decode_linear_fp8
+from tpkit.parallel_layers import Fp8LinearMethod, QKVCrossParallelLinear, QKVParallelLinear
 
 BASELINE = json.loads((Path(__file__).parent / "baselines" / "e2e_latency_h200.json").read_text())
 LLAMA3_8B = {
@@ -136,7 +142,10 @@ def llama_latency(setup: Setup, args: argparse.Namespace) -> dict:
 
 
 def tpkit_latency(setup: Setup, args: argparse.Namespace, config: dict, prompts: list[list[int]]) -> dict:
-    model = LlamaForCausalLM(config, dtype=setup.dtype, device=setup.device).eval()
+    quant_method = (Fp8LinearMethod("channel", decode_op=decode_linear_fp8) if args.quantization == "fp8"
+                    else None)
+    model = LlamaForCausalLM(config, dtype=setup.dtype, device=setup.device, quant_method=quant_method).eval()
+    model.kv_cache_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else None
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bandwidth = copy_bandwidth(setup)
     floor_s = weight_bytes / bandwidth * setup.output_len
@@ -392,6 +401,10 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: llama, kv_blocks, bart")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="directory for the JSON")
+    parser.add_argument("--quantization", choices=["none", "fp8"], default="none",
+                        help="tpkit's Llama weights: as built (none) or float8 per channel (fp8)")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                        help="tpkit's Llama KV cache: the model's dtype (auto) or float8 E4M3 (fp8)")
     args = parser.parse_args()
     if not args.small and not torch.cuda.is_available():
         parser.error("no GPU visible: run with --small for the CPU check")
@@ -411,7 +424,10 @@ def main() -> None:
     device_name = torch.cuda.get_device_name(setup.device) if on_gpu else platform.processor()
     meta = {"device": device_name or "cpu", "torch": torch.__version__, "python": platform.python_version(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "small": setup.small,
-            "command": "python benchmarks/bench_latency.py" + (" --small" if setup.small else "")}
+            "command": "python benchmarks/bench_latency.py" + (" --small" if setup.small else "")
+            + (" --quantization fp8" if args.quantization == "fp8" else "")
+            + (" --kv-cache-dtype fp8" if args.kv_cache_dtype == "fp8" else ""),
+            "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype}
     try:
         import transformers
 

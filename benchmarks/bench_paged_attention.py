@@ -6,6 +6,12 @@ also runs on the same pages stored head-major (``tpkit-head-major``), to show wh
 and on SDPA's contiguous K/V (``tpkit-contiguous``), to show what the paging itself costs.
 
     PYTHONPATH=. python benchmarks/bench_paged_attention.py [--only C1,C3] [--config name:dtype:B:L:Hq:Hkv]
+    PYTHONPATH=. python benchmarks/bench_paged_attention.py --kv-dtype fp8_e4m3  # tpkit on a float8 cache
+
+With ``--kv-dtype fp8_e4m3`` (or ``fp8_e5m2``) the caches are quantized to float8 with one scale per cache
+(its amax over the format's largest value), the reference is the float32 attention over the dequantized
+cache, and only tpkit's implementations run (the others read 16-bit caches); bandwidth counts the float8
+bytes.
 
 Every configuration uses head size 128 and KV block (page) 16, every sequence holding L tokens. Data is
 random normal; block tables are random permutations of the pages. Each implementation is checked against
@@ -43,6 +49,7 @@ from tpkit.ops import _extension, paged_attention
 HEAD_SIZE = 128
 BLOCK_SIZE = 16
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+KV_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 SDPA_BACKENDS = {
     "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
     "sdpa-flash": SDPBackend.FLASH_ATTENTION,
@@ -112,6 +119,20 @@ class InputSet:
     seq_lens: torch.Tensor  # int32 [B]
     key: torch.Tensor | None = None  # [B, Hkv, L, D], contiguous
     value: torch.Tensor | None = None
+    k_scale: torch.Tensor | None = None  # float32 []: a float8 cache's scales
+    v_scale: torch.Tensor | None = None
+
+
+def _quantize_caches(s: InputSet, dtype: torch.dtype) -> None:
+    """The set's caches in float8 ``dtype``, stored = x / scale with scale = amax / the format's maximum."""
+    top = torch.finfo(dtype).max
+    scales = []
+    for name in ("key_cache", "value_cache"):
+        cache = getattr(s, name)
+        scale = (cache.float().abs().amax() / top).clamp(min=1e-12)
+        setattr(s, name, (cache.float() / scale).clamp(-top, top).to(dtype))
+        scales.append(scale)
+    s.k_scale, s.v_scale = scales
 
 
 def _make_set(cfg: Config, generator: torch.Generator) -> InputSet:
@@ -137,9 +158,11 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
 
 
 def _reference(s: InputSet) -> torch.Tensor:
-    """float32 decode attention over the gathered K/V: [B, Hq, D]."""
+    """float32 decode attention over the gathered K/V (dequantized, for a float8 cache): [B, Hq, D]."""
     key = _gather(s.key_cache, s.block_tables).float()  # [B, Hkv, L, D]
     value = _gather(s.value_cache, s.block_tables).float()
+    if s.k_scale is not None:
+        key, value = key * s.k_scale, value * s.v_scale
     batch, num_heads, head_size = s.query.shape
     num_kv_heads = key.shape[1]
     q = s.query.float().view(batch, num_kv_heads, num_heads // num_kv_heads, head_size)  # [B, Hkv, G, D]
@@ -281,7 +304,8 @@ def _naive_call(s: InputSet) -> Callable[[], torch.Tensor]:
 
 def _tpkit_call(s: InputSet) -> Callable[[], torch.Tensor]:
     out = torch.empty_like(s.query)
-    return lambda: paged_attention(s.query, s.key_cache, s.value_cache, s.block_tables, s.seq_lens, out=out)
+    return lambda: paged_attention(s.query, s.key_cache, s.value_cache, s.block_tables, s.seq_lens, out=out,
+                                   k_scale=s.k_scale, v_scale=s.v_scale)
 
 
 def _tpkit_head_major_call(s: InputSet) -> Callable[[], torch.Tensor]:
@@ -290,7 +314,8 @@ def _tpkit_head_major_call(s: InputSet) -> Callable[[], torch.Tensor]:
     key_cache = s.key_cache.transpose(1, 2).contiguous().transpose(1, 2)
     value_cache = s.value_cache.transpose(1, 2).contiguous().transpose(1, 2)
     out = torch.empty_like(s.query)
-    return lambda: paged_attention(s.query, key_cache, value_cache, s.block_tables, s.seq_lens, out=out)
+    return lambda: paged_attention(s.query, key_cache, value_cache, s.block_tables, s.seq_lens, out=out,
+                                   k_scale=s.k_scale, v_scale=s.v_scale)
 
 
 def _tpkit_contiguous_call(s: InputSet) -> Callable[[], torch.Tensor]:
@@ -306,16 +331,22 @@ def _tpkit_contiguous_call(s: InputSet) -> Callable[[], torch.Tensor]:
     first_page = torch.arange(batch, device=s.key.device, dtype=torch.int32) * (num_kv_heads * pages)
     block_tables = first_page[:, None] + torch.arange(pages, device=s.key.device, dtype=torch.int32)
     out = torch.empty_like(s.query)
-    return lambda: paged_attention(s.query, key_cache, value_cache, block_tables, s.seq_lens, out=out)
+    return lambda: paged_attention(s.query, key_cache, value_cache, block_tables, s.seq_lens, out=out,
+                                   k_scale=s.k_scale, v_scale=s.v_scale)
 
 
 def _bench_config(cfg: Config, args: argparse.Namespace, flex: _Flex | None, peers: FlashInferDecode | str,
                   rows: list[dict]) -> None:
     """Times every implementation on cfg's input sets into rows; peers: FlashInfer's calls, or why there
     are none (then its columns say so)."""
-    num_sets = max(1, math.ceil(args.min_kv_mb * 1e6 / cfg.kv_bytes))
+    kv_dtype = KV_DTYPES[args.kv_dtype]
+    kv_bytes = cfg.kv_bytes if kv_dtype is None else cfg.kv_bytes // DTYPES[cfg.dtype].itemsize
+    num_sets = max(1, math.ceil(args.min_kv_mb * 1e6 / kv_bytes))
     generator = torch.Generator(device="cuda").manual_seed(0)
     sets = [_make_set(cfg, generator) for _ in range(num_sets)]
+    if kv_dtype is not None:
+        for s in sets:
+            _quantize_caches(s, kv_dtype)
     ref = _reference(sets[0])
     for s in sets:
         s.key = _gather(s.key_cache, s.block_tables).contiguous()
@@ -330,6 +361,9 @@ def _bench_config(cfg: Config, args: argparse.Namespace, flex: _Flex | None, pee
         impls += [(name, lambda s, n=name: peers.call(n, s.query, s.key_cache, s.value_cache, s.block_tables,
                                                       s.seq_lens)) for name in FLASHINFER_IMPLS]
     selected = None if args.impls is None else args.impls.split(",")
+    if kv_dtype is not None:
+        impls = [(name, make) for name, make in impls if name.startswith("tpkit")]
+        peers = "reads no float8 cache here"
     if selected is not None:
         impls = [(name, make) for name, make in impls if name in selected]
     results: dict[str, tuple[float, float]] = {}
@@ -349,7 +383,7 @@ def _bench_config(cfg: Config, args: argparse.Namespace, flex: _Flex | None, pee
             print(f"  {cfg.name} {name}: fails ({_first_line(exc)})")
         torch.cuda.synchronize()
     print(f"  {cfg.name} sdpa-math: skipped (materialises the scores; far slower than every other backend)")
-    if flex is not None:
+    if flex is not None and kv_dtype is None:
         if flex.budget_s <= 0:
             print(f"  {cfg.name} flex-paged: skipped (FlexAttention compile budget spent)")
         else:
@@ -366,13 +400,14 @@ def _bench_config(cfg: Config, args: argparse.Namespace, flex: _Flex | None, pee
     del sets
     torch.cuda.empty_cache()
 
-    shape = {"config": cfg.name, "dtype": cfg.dtype, "batch": cfg.batch, "seq_len": cfg.seq_len,
-             "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads, "head_size": HEAD_SIZE,
-             "block_size": BLOCK_SIZE, "kv_bytes": cfg.kv_bytes, "num_input_sets": num_sets}
+    shape = {"config": cfg.name, "dtype": cfg.dtype, "kv_dtype": args.kv_dtype, "batch": cfg.batch,
+             "seq_len": cfg.seq_len, "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads,
+             "head_size": HEAD_SIZE, "block_size": BLOCK_SIZE, "kv_bytes": kv_bytes,
+             "num_input_sets": num_sets}
     sdpa = {k: v for k, v in results.items() if k.startswith("sdpa")}
     best_sdpa = min(sdpa.items(), key=lambda kv: kv[1][0]) if sdpa else None
     for name, (t_us, err) in sorted(results.items(), key=lambda kv: kv[1][0]):
-        gbps = cfg.kv_bytes / (t_us * 1e-6) / 1e9
+        gbps = kv_bytes / (t_us * 1e-6) / 1e9
         rows.append({
             **shape, "impl": name, "t_us": round(t_us, 2), "GBps": round(gbps, 1),
             "ratio_to_best_sdpa": round(t_us / best_sdpa[1][0], 3) if best_sdpa else None,
@@ -445,6 +480,8 @@ def main() -> None:
     parser.add_argument("--impls", default=None,
                         help="comma-separated implementations to run (default: all), e.g. tpkit,sdpa-cudnn")
     add_timer_args(parser, min_kv_mb=512.0)
+    parser.add_argument("--kv-dtype", choices=list(KV_DTYPES), default="auto",
+                        help="the caches' dtype: auto (the query's) or float8 with per-cache scales")
     parser.add_argument("--flex-budget-s", type=float, default=90.0,
                         help="total seconds for FlexAttention (compiles included); 0 skips it")
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/paged_attention_h200.json"))

@@ -210,7 +210,8 @@ def _valid_args():
 
 BAD_ARGS = [
     ("query", lambda a: a["query"].float(), TypeError,
-     r"key_cache: expected dtype torch.float32, got torch.float16"),
+     r"key_cache: expected dtype torch.float32 \(that of query\) or a float8 dtype .* with k_scale and "
+     r"v_scale, got torch.float16"),
     ("query", lambda a: a["query"].long(), TypeError, r"query: expected dtype one of .*, got torch.int64"),
     ("query", lambda a: a["query"][0], ValueError, r"query: expected 3 dimensions, got shape \[4, 32\]"),
     ("query", lambda a: a["query"].transpose(1, 2).contiguous().transpose(1, 2), ValueError,

@@ -139,7 +139,7 @@ BAD_ARGS = [
     (lambda a: dict(key_cache=a["key_cache"][:, :, :1], value_cache=a["value_cache"][:, :, :1]), ValueError,
      r"key_cache: expected \[num_kv_heads, head_size\] \(dims 2, 3, those of key\) \[2, 32\], got \[1, 32\]"),
     (lambda a: dict(key_cache=a["key_cache"].bfloat16()), TypeError,
-     r"key_cache: expected dtype torch.float16, got torch.bfloat16"),
+     r"key_cache: expected dtype torch.float16 \(that of key\) or a float8 dtype .*, got torch.bfloat16"),
     (lambda a: dict(value_cache=a["value_cache"][1:]), ValueError,
      r"value_cache: expected shape \(that of key_cache\)"),
     (lambda a: dict(slot_mapping=a["slot_mapping"].int()), TypeError,

@@ -18,6 +18,7 @@ import torch
 
 from tpkit._memory import available_bytes
 from tpkit.attention.block_pool import ROOT_HASH, BlockPool, block_hash
+from tpkit.attention.kv_scales import FP8_KV_DTYPES, set_kv_scales
 
 logger = logging.getLogger("tpkit.attention")
 
@@ -94,7 +95,11 @@ def _bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_s
 class PagedKVCache:
     """Per-layer key and value caches of one rank's KV heads, with the sequences that hold their blocks.
 
-    Each cache is ``[num_blocks, block_size, num_kv_heads, head_size]``. A sequence (named by an int
+    Each cache is ``[num_blocks, block_size, num_kv_heads, head_size]``, in ``dtype``: the model's, or a
+    float8 dtype (``torch.float8_e4m3fn``, ``torch.float8_e5m2``), half the memory of a 16-bit cache, whose
+    layers each have a float32 ``k_scale`` and ``v_scale`` (stored = saturate(x / scale); 1.0 until
+    :meth:`set_scales` sets them, of shape [] or per KV head [num_kv_heads]; :meth:`scales` gives them to the
+    ops). A sequence (named by an int
     ``seq_id``) holds a list of blocks, allocated as it grows and shared by every layer; its block table
     maps its logical blocks to those physical blocks. Every method checks its arguments and the free blocks
     before it changes anything: a bad argument is a ValueError or TypeError, too few free blocks a
@@ -142,6 +147,11 @@ class PagedKVCache:
                                                for _ in range(num_layers)]
         self.value_caches: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=self.device)
                                                  for _ in range(num_layers)]
+        # A float8 cache's scales, one float32 tensor a layer each, owned here so that a captured step reads
+        # them from fixed addresses.
+        fp8 = dtype in FP8_KV_DTYPES
+        self.k_scales = [torch.ones((), device=self.device) for _ in range(num_layers)] if fp8 else None
+        self.v_scales = [torch.ones((), device=self.device) for _ in range(num_layers)] if fp8 else None
         self._pool = BlockPool(num_blocks)
         self._seq_blocks: dict[int, list[int]] = {}
         self._seq_lens: dict[int, int] = {}
@@ -172,6 +182,24 @@ class PagedKVCache:
                              f"({block_bytes} bytes for {num_layers} layers), got {memory_bytes}")
         logger.info("# KV blocks: %d (%d tokens) per rank", num_blocks, num_blocks * block_size)
         return cls(num_layers, num_blocks, block_size, num_kv_heads, head_size, dtype=dtype, device=device)
+
+    @property
+    def is_fp8(self) -> bool:
+        """The cache holds float8 keys and values, with scales."""
+        return self.k_scales is not None
+
+    def scales(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Layer ``layer_idx``'s ``(k_scale, v_scale)``, float32 tensors on the cache's device, for
+        ``reshape_and_cache`` and ``paged_attention``; ``(None, None)`` for a cache in the model's dtype."""
+        if self.k_scales is None or self.v_scales is None:
+            return None, None
+        return self.k_scales[layer_idx], self.v_scales[layer_idx]
+
+    def set_scales(self, layer_idx: int, k_scale: torch.Tensor | float,
+                   v_scale: torch.Tensor | float) -> None:
+        """Set a float8 cache's scales of layer ``layer_idx``: floats or float tensors of shape [] or
+        [num_kv_heads], finite and positive (see :func:`tpkit.attention.set_kv_scales`)."""
+        set_kv_scales(self, layer_idx, k_scale, v_scale)
 
     @property
     def num_free_blocks(self) -> int:

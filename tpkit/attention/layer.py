@@ -22,7 +22,8 @@ class Attention(nn.Module):
       ``key_lens``). Outputs at padded query positions are finite but meaningless.
     - With a cache, the step's new K/V (if given: a cross-attention step that only reads passes none) are
       written with ``reshape_and_cache`` at ``metadata.slot_mapping``, one slot a token of ``key``
-      flattened, then the query attends over the cache with ``paged_attention``:
+      flattened, then the query attends over the cache with ``paged_attention`` (a float8 cache's write
+      quantizes and its attention dequantizes with the cache's scales, ``kv_cache.scales(layer_idx)``):
 
       - a packed step (``metadata.query_start_loc`` set: a prefill, with or without a cached prefix, a
         chunk, speculative tokens, a mix with decodes): the query's tokens, flattened (``[1, num_tokens,
@@ -122,6 +123,7 @@ class Attention(nn.Module):
                              f"{layer_idx}")
         key_cache = kv_cache.key_caches[layer_idx]
         value_cache = kv_cache.value_caches[layer_idx]
+        k_scale, v_scale = kv_cache.scales(layer_idx)  # a float8 cache's; None otherwise
         if metadata.query_start_loc is None and q_len != 1:
             raise ValueError(f"Attention: query: expected q_len 1 at a decode step, got shape "
                              f"{list(query.shape)}")
@@ -133,7 +135,7 @@ class Attention(nn.Module):
             # [num_new, num_kv_heads, head_size]: views, the token stride stays that of the input.
             reshape_and_cache(key.reshape(num_new, self.num_kv_heads, self.head_size),
                               value.reshape(num_new, self.num_kv_heads, self.head_size),
-                              key_cache, value_cache, metadata.slot_mapping)
+                              key_cache, value_cache, metadata.slot_mapping, k_scale, v_scale)
         # [batch * q_len, num_heads, head_size]: a view where the model's query is one (a slice of its fused
         # q, k projection): the op takes any token and head strides, and a copy would be one more kernel a
         # layer in a compiled decode step. Only a strided last dimension is copied.
@@ -141,7 +143,8 @@ class Attention(nn.Module):
         if tokens.stride(-1) != 1:
             tokens = tokens.contiguous()
         out = paged_attention(tokens, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
-                              scale=self.scale, query_start_loc=metadata.query_start_loc, causal=self.causal)
+                              scale=self.scale, query_start_loc=metadata.query_start_loc, causal=self.causal,
+                              k_scale=k_scale, v_scale=v_scale)
         return out.view(batch, q_len, self.num_heads * self.head_size)
 
     def _check_hidden(self, name: str, tensor: torch.Tensor, num_heads: int,

@@ -271,17 +271,42 @@ void fill_cache_args(Args& a, at::Tensor& key_cache, at::Tensor& value_cache, co
   fill_cache_strides(a, key_cache, value_cache);
 }
 
+// A float8 cache's format, or TPKIT_FP8_NONE for a cache of key's dtype.
+tpkit_fp8_format fp8_format(at::ScalarType t) {
+  if (t == at::kFloat8_e4m3fn) return TPKIT_FP8_E4M3;
+  if (t == at::kFloat8_e5m2) return TPKIT_FP8_E5M2;
+  return TPKIT_FP8_NONE;
+}
+
+// A float8 cache's scale: float32, one entry or one per KV head, contiguous, on the caches' device.
+const float* scale_pointer(const char* name, const std::optional<at::Tensor>& scale, const at::Device& device,
+                           int64_t num_kv_heads, int64_t expected_numel) {
+  const char* op = "reshape_and_cache";
+  TPKIT_CHECK_VALUE(scale.has_value(), op, " (CUDA): ", name, ": expected a float32 scale for a float8 cache");
+  const at::Tensor& t = *scale;
+  TPKIT_CHECK_VALUE(t.device() == device && t.scalar_type() == at::kFloat && t.is_contiguous() &&
+                        (t.numel() == 1 || t.numel() == num_kv_heads) && t.numel() == expected_numel,
+                    op, " (CUDA): ", name, ": expected contiguous float32 of 1 or num_kv_heads = ", num_kv_heads,
+                    " entries (as many as k_scale) on ", device, ", got ", t.scalar_type(), " ", t.sizes(), " on ",
+                    t.device());
+  return t.data_ptr<float>();
+}
+
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache, at::Tensor value_cache,
-                       const at::Tensor& slot_mapping) {
+                       const at::Tensor& slot_mapping, const std::optional<at::Tensor>& k_scale,
+                       const std::optional<at::Tensor>& v_scale) {
   const char* op = "reshape_and_cache";
   const at::Device device = cuda_device(op, "key", key);
   const at::ScalarType dtype = key.scalar_type();
+  const at::ScalarType cache_dtype = key_cache.scalar_type();
+  const tpkit_fp8_format cache_fp8 = fp8_format(cache_dtype);
   check_tensor(op, "key", key, device, dtype, {kAny, kAny, kAny});
   const int64_t num_tokens = key.size(0), num_kv_heads = key.size(1), head_size = key.size(2);
   check_tensor(op, "value", value, device, dtype, {num_tokens, num_kv_heads, head_size});
-  check_tensor(op, "key_cache", key_cache, device, dtype, {kAny, kAny, num_kv_heads, head_size});
-  check_tensor(op, "value_cache", value_cache, device, dtype, {key_cache.size(0), key_cache.size(1), num_kv_heads,
-                                                               head_size});
+  check_tensor(op, "key_cache", key_cache, device, cache_fp8 == TPKIT_FP8_NONE ? dtype : cache_dtype,
+               {kAny, kAny, num_kv_heads, head_size});
+  check_tensor(op, "value_cache", value_cache, device, key_cache.scalar_type(),
+               {key_cache.size(0), key_cache.size(1), num_kv_heads, head_size});
   check_tensor(op, "slot_mapping", slot_mapping, device, at::kLong, {num_tokens});
   TPKIT_CHECK_VALUE(key_cache.stride(-1) == 1 && value_cache.stride(-1) == 1,
                     "reshape_and_cache (CUDA): caches: expected a contiguous last dimension, got strides ",
@@ -289,13 +314,20 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   TPKIT_CHECK_VALUE(key.size(0) <= INT32_MAX, "reshape_and_cache (CUDA): too many tokens: ", key.size(0));
   TPKIT_CHECK_VALUE(key.element_size() >= 2, "reshape_and_cache (CUDA): 1-byte dtypes are not supported, got ",
                     key.scalar_type());
+  tpkit_reshape_and_cache_args a{};
+  a.cache_fp8 = cache_fp8;
+  if (cache_fp8 != TPKIT_FP8_NONE) {
+    a.src_dtype = to_tpkit_dtype(dtype);
+    a.k_scale = scale_pointer("k_scale", k_scale, device, num_kv_heads, k_scale ? k_scale->numel() : 1);
+    a.v_scale = scale_pointer("v_scale", v_scale, device, num_kv_heads, k_scale->numel());
+    a.scale_per_head = k_scale->numel() == num_kv_heads && num_kv_heads > 1;
+  }
   if (key.numel() == 0) return;
 
   const c10::cuda::CUDAGuard guard(device);
   const at::Tensor k = key.stride(-1) == 1 ? key : key.contiguous();
   const at::Tensor v = value.stride(-1) == 1 ? value : value.contiguous();
   const at::Tensor slots = slot_mapping.contiguous();
-  tpkit_reshape_and_cache_args a{};
   a.key = k.data_ptr();
   a.value = v.data_ptr();
   fill_cache_args(a, key_cache, value_cache, slots);
@@ -315,12 +347,12 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 // in_features], out [num_rows, out_features] (with silu_and_mul, [num_rows, out_features / 2]).
 bool fill_decode_linear_args(tpkit_decode_linear_args& a, at::Tensor& out, const at::Tensor& input,
                              const at::Tensor& weight, const std::optional<at::Tensor>& bias, int64_t splits,
-                             bool silu_and_mul) {
+                             bool silu_and_mul, bool fp8_weight = false) {
   const char* op = "decode_linear";
   const at::Device device = cuda_device(op, "input", input);
   const at::ScalarType dtype = input.scalar_type();
   check_tensor(op, "input", input, device, dtype, {kAny, kAny});
-  check_tensor(op, "weight", weight, device, dtype, {kAny, input.size(1)});
+  check_tensor(op, "weight", weight, device, fp8_weight ? at::kFloat8_e4m3fn : dtype, {kAny, input.size(1)});
   TPKIT_CHECK_VALUE(!silu_and_mul || weight.size(0) % 2 == 0,
                     "decode_linear (CUDA): silu_and_mul: expected a weight of an even number of rows (gate, up), "
                     "got ", weight.sizes());
@@ -376,6 +408,19 @@ bool decode_linear(at::Tensor out, const at::Tensor& input, const at::Tensor& we
   tpkit_decode_linear_args a{};
   return fill_decode_linear_args(a, out, input, weight, bias, splits, silu_and_mul) &&
          fill_rms_scale(a, rms_sums, eps, input.device(), "decode_linear") && launch_decode_linear(a, input);
+}
+
+// out = input @ (weight * weight_scale[:, None])^T (+ bias) with the decode linear kernel reading float8
+// (E4M3) weights [out_features, in_features] and their float32 per-row scales [out_features]; false where the
+// kernel does not take these tensors.
+bool decode_linear_fp8(at::Tensor out, const at::Tensor& input, const at::Tensor& weight,
+                       const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias, int64_t splits) {
+  tpkit_decode_linear_args a{};
+  if (!fill_decode_linear_args(a, out, input, weight, bias, splits, false, true)) return false;
+  check_tensor("decode_linear_fp8", "weight_scale", weight_scale, input.device(), at::kFloat, {weight.size(0)});
+  if (!weight_scale.is_contiguous()) return false;
+  a.weight_scale = weight_scale.data_ptr<float>();
+  return launch_decode_linear(a, input);
 }
 
 // The producer's half of an RMSNorm split across two products (decode_linear.h): out = residual + input @
@@ -539,11 +584,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Whether the kernels support (dtype code: 0 float16, 1 bfloat16, 2 float32; head_size; block_size).");
   m.def("supported_text", &tpkit_paged_attention_supported_text, "What the kernels support, in words.");
   m.def("reshape_and_cache", &reshape_and_cache, "Writes key/value into their cache slots (in place).",
-        py::arg("key"), py::arg("value"), py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"));
+        py::arg("key"), py::arg("value"), py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"),
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
   m.def("decode_linear", &decode_linear,
         "out = input @ weight.T (+ bias) for up to 16 rows; False where the kernel does not take these tensors.",
         py::arg("out"), py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("splits"),
         py::arg("silu_and_mul") = false, py::arg("rms_sums") = py::none(), py::arg("eps") = 0.0);
+  m.def("decode_linear_fp8", &decode_linear_fp8,
+        "out = input @ (weight * weight_scale[:, None]).T (+ bias) for up to 16 rows of float8 weights; False "
+        "where the kernel does not take these tensors.",
+        py::arg("out"), py::arg("input"), py::arg("weight"), py::arg("weight_scale"), py::arg("bias"),
+        py::arg("splits") = 0);
   m.def("decode_linear_residual_norm", &decode_linear_residual_norm,
         "out = residual + input @ weight.T (+ bias) for up to 16 rows, normed = out * norm_weight, sums += the "
         "rows' sums of squares, zero_sums zeroed; False where the kernel does not take these tensors.",

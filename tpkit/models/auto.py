@@ -21,7 +21,8 @@ from tpkit.models.generation import PagedLM
 from tpkit.models.gpt_bigcode import GPTBigCodeForCausalLM
 from tpkit.models.llama import LlamaForCausalLM
 from tpkit.models.prompts import parse_eos_token_ids
-from tpkit.parallel_layers import TPGroup, get_tp_group, skip_init
+from tpkit.models.quantization import quant_method_from_config
+from tpkit.parallel_layers import TPGroup, get_tp_group, process_weights_after_loading, skip_init
 
 MODEL_CLASSES: dict[str, type[PagedLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -44,7 +45,9 @@ def model_class(config: dict[str, Any]) -> type[PagedLM]:
 def from_pretrained(name_or_path: str | os.PathLike, *, dtype: torch.dtype | str | None = None,
                     device: torch.device | str | None = None, tp_group: Any = None,
                     revision: str | None = None, cache_dir: str | os.PathLike | None = None,
-                    sequence_parallel: bool = False) -> PagedLM:
+                    sequence_parallel: bool = False,
+                    kv_cache_dtype: torch.dtype | str | None = None,
+                    quantization: str | None = None) -> PagedLM:
     """This rank's shard of a HuggingFace checkpoint, built on ``device`` and loaded, in eval mode.
 
     dtype: default the checkpoint's (config.json ``dtype`` / ``torch_dtype``), else float32.
@@ -55,6 +58,15 @@ def from_pretrained(name_or_path: str | os.PathLike, *, dtype: torch.dtype | str
     (``tpkit.models.sequence_parallel``); such a model does not generate.
     EOS ids (and BART's decoder start and forced BOS/EOS tokens) come from generation_config.json, else
     config.json.
+    kv_cache_dtype: the KV caches' dtype (``model.kv_cache_dtype``): None for the model's dtype (or float8
+    E4M3 where ``quantization_config`` has a float 8-bit ``kv_cache_scheme``), ``torch.float8_e4m3fn`` /
+    ``"fp8"`` / ``"fp8_e4m3"``, or ``torch.float8_e5m2`` / ``"fp8_e5m2"``. A float8 cache's scales come from
+    the checkpoint's ``k_scale``/``v_scale`` tensors where it has them, else 1.0
+    (:func:`tpkit.attention.calibrated_kv_scales` computes some; set them in ``model.kv_cache_scales``).
+    Float8 weights load as the checkpoint's ``quantization_config`` says (compressed-tensors
+    ``float-quantized``, ``fbgemm_fp8``, block-wise ``fp8``: :mod:`tpkit.models.quantization`);
+    ``quantization="fp8"`` quantizes a high-precision checkpoint's linear layers per channel as it loads.
+    Llama-family models only.
     """
     if dtype is not None and not isinstance(dtype, (torch.dtype, str)):
         raise TypeError(f"dtype must be a torch.dtype, a dtype name or None, got {type(dtype).__name__}")
@@ -65,10 +77,17 @@ def from_pretrained(name_or_path: str | os.PathLike, *, dtype: torch.dtype | str
     cls = model_class(config)
     dtype = _as_dtype(dtype if dtype is not None else config.get("dtype") or config.get("torch_dtype"))
     device = torch.device(device) if device is not None else _default_device(tp_group)
+    quant_method = quant_method_from_config(config, quantization, str(path / "config.json"))
+    extra = {}
+    if quant_method is not None:
+        if cls is not LlamaForCausalLM:
+            raise ValueError(f"from_pretrained: float8 weights (quantization_config or quantization=) are "
+                             f"supported for Llama-family models, got {cls.__name__}")
+        extra["quant_method"] = quant_method
     # Every parameter is loaded below (strictly: one left out is an error), so random draws would be wasted.
     with skip_init():
         model = cls(config, dtype=dtype, device=device, tp_group=tp_group,
-                    sequence_parallel=sequence_parallel)
+                    sequence_parallel=sequence_parallel, **extra)
     generation_config = _read_json(path, "generation_config.json") or {}
     if generation_config.get("eos_token_id") is not None:
         model.eos_token_ids = parse_eos_token_ids(generation_config["eos_token_id"])
@@ -82,8 +101,29 @@ def from_pretrained(name_or_path: str | os.PathLike, *, dtype: torch.dtype | str
         for key in ("forced_bos_token_id", "forced_eos_token_id"):
             if key in generation_config:  # null there turns config.json's off, as in transformers
                 setattr(model, key, generation_config[key])
+    model.kv_cache_dtype = _kv_cache_dtype(kv_cache_dtype, config)
     model.load_weights(iter_weights(path))
+    process_weights_after_loading(model)
     return model.eval()
+
+
+_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                    "fp8_e5m2": torch.float8_e5m2}
+
+
+def _kv_cache_dtype(value: torch.dtype | str | None, config: dict[str, Any]) -> torch.dtype | None:
+    """The KV caches' dtype from_pretrained was asked for, or the checkpoint's float8 one (None: the
+    model's)."""
+    if value is None:
+        scheme = (config.get("quantization_config") or {}).get("kv_cache_scheme") or {}
+        is_fp8 = scheme.get("type") == "float" and scheme.get("num_bits") == 8
+        return torch.float8_e4m3fn if is_fp8 else None
+    if isinstance(value, str) and value in _KV_CACHE_DTYPES:
+        return _KV_CACHE_DTYPES[value]
+    if value in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return value
+    raise ValueError(f"from_pretrained: kv_cache_dtype: expected None, {list(_KV_CACHE_DTYPES)}, "
+                     f"torch.float8_e4m3fn or torch.float8_e5m2, got {value!r}")
 
 
 def _read_json(path: Path, name: str) -> dict[str, Any] | None:

@@ -49,6 +49,14 @@ def fused_decode_applies(model: LlamaForCausalLM, x: torch.Tensor, kv_cache: Pag
     ``model.fused_decode`` says."""
     if model.fused_decode is False or kv_cache is None or metadata is None or metadata.is_prefill:
         return False
+    # The fused cache write stores the model's dtype; a float8 cache is written by the quantizing
+    # reshape_and_cache of the layers' forward.
+    if kv_cache.is_fp8:
+        return False
+    # The fused products multiply by the layers' weights as they are: quantized layers multiply through
+    # their method.
+    if model.layers[0].self_attn.qkv_proj.quant_method is not None:
+        return False
     if torch.is_grad_enabled() or model.sequence_parallel or model.layers[0].mlp.act is not F.silu:
         return False
     return model.fused_decode or decode_kernel_applies(x, model.layers[0].self_attn.qkv_proj.weight)

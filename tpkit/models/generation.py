@@ -75,6 +75,8 @@ class PagedLM(nn.Module, ABC):
     """
 
     kv_block_size = 16
+    # The dtype of the KV caches: None for the model's, or a float8 dtype (scales from kv_cache_scales).
+    kv_cache_dtype: torch.dtype | None = None
     sequence_parallel = False  # built for training with the residual stream split along the sequence
     vocab_size: int
     max_positions: int
@@ -94,6 +96,9 @@ class PagedLM(nn.Module, ABC):
         self._graphs: OrderedDict[tuple, DecodeGraph] = OrderedDict()  # least recently used first
         self._graph_pool: Any = None
         self._compiled_decode_steps: dict[str, Callable] = {}  # by the step's name
+        # The "self" cache's float8 scales by layer, {"k": k_scale, "v": v_scale} (this rank's KV heads, or
+        # one a layer), from the checkpoint (tpkit.models.kv_scales) or set by the user; 1.0 where missing.
+        self.kv_cache_scales: dict[int, dict[str, torch.Tensor]] = {}
 
     def export_weights(self, weights: Iterable[tuple[str, torch.Tensor]]
                        ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -300,12 +305,22 @@ class PagedLM(nn.Module, ABC):
         for cache in caches.values():
             cache.free(seq_id)
 
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The KV caches' dtype: ``kv_cache_dtype``, else the model's."""
+        return self.kv_cache_dtype or self.dtype
+
     def new_kv_cache(self, num_blocks: int, name: str = "self") -> PagedKVCache:
-        """A paged KV cache of ``num_blocks`` blocks for this model's cache ``name``, on its device, in its
-        dtype (for :meth:`PagedDecoderOnlyLM.forward_on_cache`; ``generate`` manages its own)."""
+        """A paged KV cache of ``num_blocks`` blocks for this model's cache ``name``, on its device, in
+        :attr:`cache_dtype` (for :meth:`PagedDecoderOnlyLM.forward_on_cache`; ``generate`` manages its own).
+        A float8 self-attention cache gets the scales of ``kv_cache_scales`` (1.0 where it has none)."""
         num_layers, num_kv_heads, head_size = self.kv_cache_layout()[name]
-        return PagedKVCache(num_layers, num_blocks, self.kv_block_size, num_kv_heads, head_size,
-                            dtype=self.dtype, device=self.device)
+        cache = PagedKVCache(num_layers, num_blocks, self.kv_block_size, num_kv_heads, head_size,
+                             dtype=self.cache_dtype, device=self.device)
+        if cache.is_fp8 and name == "self":
+            for layer_idx, scales in sorted(self.kv_cache_scales.items()):
+                cache.set_scales(layer_idx, scales.get("k", 1.0), scales.get("v", 1.0))
+        return cache
 
     def _reserve_kv_caches(self, needs: Mapping[str, Sequence[int]]) -> dict[str, PagedKVCache]:
         """Caches with room for ``needs`` (tokens per sequence, per cache); the last ones if they fit."""
@@ -313,7 +328,7 @@ class PagedLM(nn.Module, ABC):
             num_blocks = sum(-(-t // self.kv_block_size) for t in tokens)
             cache = self._kv_caches.get(name)
             if cache is None or cache.num_free_blocks < num_blocks or (cache.dtype, cache.device) != (
-                    self.dtype, self.device):
+                    self.cache_dtype, self.device):
                 # Let go of the old cache and the graphs that point into it, and give their memory back,
                 # before allocating the new one.
                 self._kv_caches.pop(name, None)
@@ -447,7 +462,7 @@ class PagedDecoderOnlyLM(PagedLM):
         row ``j`` scoring the token after ``token_ids[i][j]``. The tokens stay in the cache.
         """
         self._check_can_generate()
-        layout = (self.num_layers, self.num_kv_heads, self.head_size, self.kv_block_size, self.dtype,
+        layout = (self.num_layers, self.num_kv_heads, self.head_size, self.kv_block_size, self.cache_dtype,
                   self.device)
         got = (kv_cache.num_layers, kv_cache.num_kv_heads, kv_cache.head_size, kv_cache.block_size,
                kv_cache.dtype, kv_cache.device)

@@ -17,6 +17,7 @@ step through the forward below.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -31,6 +32,7 @@ from tpkit.models.config_checks import LLAMA, check_config
 from tpkit.models.dropout import attend
 from tpkit.models.fused_decode import fused_decode_applies, fused_decode_step
 from tpkit.models.generation import PagedDecoderOnlyLM
+from tpkit.models.kv_scales import peel_kv_scales
 from tpkit.models.prompts import parse_eos_token_ids
 from tpkit.models.sequence_parallel import check_sequence_parallel, exit_sequence_parallel, mark_norms
 from tpkit.ops import RMSNorm, RotaryEmbedding, apply_rotary, decode_linear, rope_parameters, silu_and_mul
@@ -38,6 +40,7 @@ from tpkit.parallel_layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
+    QuantizationMethod,
     RowParallelLinear,
     VocabParallelEmbedding,
     set_linear_op,
@@ -134,7 +137,7 @@ class LlamaForCausalLM(PagedDecoderOnlyLM):
 
     def __init__(self, config: Mapping[str, Any], *, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, tp_group: Any = None,
-                 sequence_parallel: bool = False) -> None:
+                 sequence_parallel: bool = False, quant_method: QuantizationMethod | None = None) -> None:
         super().__init__()
         check_config("LlamaForCausalLM", config, LLAMA, dtype=dtype, device=device, tp_group=tp_group,
                      sequence_parallel=sequence_parallel)
@@ -156,7 +159,9 @@ class LlamaForCausalLM(PagedDecoderOnlyLM):
         self.embed_tokens = VocabParallelEmbedding(vocab_size, hidden_size,
                                                    sequence_parallel=sequence_parallel, **factory)
         self.sequence_parallel = sequence_parallel
-        layer_factory = {**factory, "sequence_parallel": sequence_parallel}
+        # The decoder layers' linear layers hold and multiply their weights with quant_method (float8 weights:
+        # tpkit.models.quantization); the embedding and the LM head stay in dtype.
+        layer_factory = {**factory, "sequence_parallel": sequence_parallel, "quant_method": quant_method}
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, qkv_bias=qkv_bias, o_bias=o_bias, factory=layer_factory)
             for i in range(config["num_hidden_layers"])
@@ -196,8 +201,15 @@ class LlamaForCausalLM(PagedDecoderOnlyLM):
         return self.lm_head.compute_logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
-        """Load HuggingFace ``(name, tensor)`` pairs (``model.`` prefix); returns the parameters loaded."""
+        """Load HuggingFace ``(name, tensor)`` pairs (``model.`` prefix); returns the parameters loaded. A
+        float8 KV cache's ``k_scale``/``v_scale`` tensors go into ``kv_cache_scales``."""
+        qkv = self.layers[0].self_attn.qkv_proj
+        kv_rank = qkv.tp_rank // qkv.num_kv_head_replicas
+        weights = peel_kv_scales(weights, self.kv_cache_scales,
+                                 (kv_rank * qkv.num_kv_heads, qkv.num_kv_heads), qkv.total_num_kv_heads)
         # Old checkpoints saved the rotary inverse frequencies; they are recomputed here.
+        # fbgemm's float8 checkpoints may store the activation bound, which the config also gives.
         return load_weights(self, weights, self.stacked_params_mapping,
-                            rename=lambda name: name.removeprefix("model."), ignore="rotary_emb.inv_freq")
+                            rename=lambda name: name.removeprefix("model."),
+                            ignore=("rotary_emb.inv_freq", re.compile(r"\.input_scale_ub$")))
 

@@ -9,6 +9,7 @@ where they cannot be built, the ops run their PyTorch implementation on the GPU 
 - :mod:`~tpkit.ops.paged_attention`: ``paged_attention`` and ``reshape_and_cache`` over the paged KV cache.
 - :mod:`~tpkit.ops.linear`: a decode step's small-batch products (``decode_linear`` and its fused
   variants: SwiGLU, RoPE with the cache write, the RMSNorm split).
+- :mod:`~tpkit.ops.fp8_linear`: ``decode_linear_fp8``, the decode kernel reading float8 weights.
 - :mod:`~tpkit.ops.rotary`: RoPE: the frequencies (``RotaryEmbedding``) and the rotation (``apply_rotary``).
 - :mod:`~tpkit.ops.norm`: ``RMSNorm``, and ``apply_rms_sums``, the second half of a norm split across two
   products.
@@ -16,6 +17,7 @@ where they cannot be built, the ops run their PyTorch implementation on the GPU 
 """
 
 from tpkit.ops.activation import silu_and_mul
+from tpkit.ops.fp8_linear import decode_linear_fp8
 from tpkit.ops.linear import (
     decode_kernel_applies,
     decode_linear,
@@ -34,6 +36,7 @@ __all__ = [
     "apply_rotary",
     "decode_kernel_applies",
     "decode_linear",
+    "decode_linear_fp8",
     "decode_linear_residual_norm",
     "decode_linear_silu_and_mul",
     "decode_qkv_rope_cache",

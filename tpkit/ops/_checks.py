@@ -8,6 +8,8 @@ import torch
 from tpkit._env import env_flag
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# The float8 dtypes a KV cache (with float32 scales) and a quantized weight may hold.
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _HALF_DTYPES = (torch.float16, torch.bfloat16)  # what the decode linear and element-wise kernels take
 
 

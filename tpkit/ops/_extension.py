@@ -163,6 +163,8 @@ def paged_attention(
     alibi_slopes: torch.Tensor | None,
     query_start_loc: torch.Tensor | None = None,
     causal: bool = True,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> bool:
     """Runs the CUDA attention kernel into ``out``; False when no kernel is available here.
 
@@ -172,7 +174,12 @@ def paged_attention(
     ``[num_seqs, max_blocks_per_seq]``; seq_lens int32 ``[num_seqs]``; alibi_slopes float32 ``[num_heads]``
     or None. Raises ValueError for a configuration the kernel does not support (the message lists what
     is). No host synchronisation and no allocation that depends on values: safe in CUDA graphs.
+
+    A float8 cache (``k_scale`` and ``v_scale`` given) has no kernel yet: False, and the PyTorch
+    implementation dequantizes it on the GPU; the kernel's loads do not convert float8.
     """
+    if k_scale is not None:
+        return False
     module = _module_for(query.device)
     if module is None:
         return False
@@ -191,13 +198,17 @@ def reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> bool:
     """Writes key/value ``[num_tokens, num_kv_heads, head_size]`` into their cache slots (int64
-    ``slot_mapping``, negative = skip) with the CUDA kernel; False when no kernel is available here."""
+    ``slot_mapping``, negative = skip) with the CUDA kernel; False when no kernel is available here. With
+    ``k_scale`` and ``v_scale`` (float32 ``[]`` or ``[num_kv_heads]``) the float8 caches get
+    ``saturate(x / scale)``."""
     module = _module_for(key.device)
     if module is None:
         return False
-    module.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    module.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
     return True
 
 
@@ -246,6 +257,20 @@ def decode_linear(
     module = _module_for(input.device)
     return module is not None and module.decode_linear(out, input, weight, bias, splits, silu_and_mul,
                                                        rms_sums, eps)
+
+
+def decode_linear_fp8(
+    out: torch.Tensor,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> bool:
+    """``out = input @ (weight * weight_scale[:, None]).T (+ bias)`` with the decode linear kernel reading
+    float8 (E4M3) weights; False where no kernel is available here or the kernel does not take these tensors
+    (those of :func:`decode_linear`, with weight float8 and weight_scale float32 ``[out_features]``)."""
+    module = _module_for(input.device)
+    return module is not None and module.decode_linear_fp8(out, input, weight, weight_scale, bias)
 
 
 def decode_linear_residual_norm(

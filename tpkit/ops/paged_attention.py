@@ -16,7 +16,7 @@ import math
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from tpkit.ops._checks import _FLOAT_DTYPES, _check_devices, _check_same, _check_tensor
+from tpkit.ops._checks import _FLOAT_DTYPES, _FP8_DTYPES, _check_devices, _check_same, _check_tensor
 from tpkit.ops._library import _define_op
 from tpkit.ops.paged_attention_reference import paged_attention_reference, reshape_and_cache_reference
 
@@ -27,11 +27,42 @@ def _contents_free(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu" and not isinstance(tensor, FakeTensor)
 
 
-def _check_caches(op: str, key_cache: torch.Tensor, value_cache: torch.Tensor, dtype: torch.dtype) -> None:
-    _check_tensor(op, "key_cache", key_cache, dim=4, dtypes=(dtype,))
-    _check_tensor(op, "value_cache", value_cache, dim=4, dtypes=(dtype,))
+def _check_caches(op: str, key_cache: torch.Tensor, value_cache: torch.Tensor, dtype: torch.dtype,
+                  dtype_of: str, k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None) -> None:
+    """The caches hold ``dtype`` (that of ``dtype_of``) without scales, or a float8 dtype with both
+    ``k_scale`` and ``v_scale`` (float32, shape [] or [num_kv_heads]; on the CPU also finite and positive)."""
+    if isinstance(key_cache, torch.Tensor) and key_cache.dtype not in (dtype, *_FP8_DTYPES):
+        raise TypeError(f"{op}: key_cache: expected dtype {dtype} (that of {dtype_of}) or a float8 dtype "
+                        f"{list(_FP8_DTYPES)} with k_scale and v_scale, got {key_cache.dtype}")
+    _check_tensor(op, "key_cache", key_cache, dim=4, dtypes=(dtype, *_FP8_DTYPES))
+    if key_cache.dtype in _FP8_DTYPES and (k_scale is None or v_scale is None):
+        missing = "k_scale" if k_scale is None else "v_scale"
+        raise ValueError(f"{op}: {missing}: expected a float32 scale for a {key_cache.dtype} cache "
+                         f"(stored = saturate(x / scale)), got None")
+    if key_cache.dtype not in _FP8_DTYPES and (k_scale is not None or v_scale is not None):
+        given = "k_scale" if k_scale is not None else "v_scale"
+        raise ValueError(f"{op}: {given}: expected None for a {key_cache.dtype} cache (the scales are "
+                         f"those of a float8 cache), got a tensor")
+    _check_tensor(op, "value_cache", value_cache, dim=4, dtypes=(key_cache.dtype,))
     _check_same(op, "value_cache", "shape (that of key_cache)", list(key_cache.shape),
                 list(value_cache.shape))
+    num_kv_heads = key_cache.shape[2]
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is None:
+            continue
+        if not isinstance(scale, torch.Tensor):
+            raise TypeError(f"{op}: {name}: expected a torch.Tensor, got {type(scale).__name__}")
+        if scale.dtype != torch.float32 or list(scale.shape) not in ([], [num_kv_heads]):
+            raise ValueError(f"{op}: {name}: expected float32 of shape [] or [num_kv_heads] = "
+                             f"[{num_kv_heads}], got {scale.dtype} of shape {list(scale.shape)}")
+        _check_devices(op, "key_cache", key_cache, **{name: scale})
+        if _contents_free(scale):
+            bad = (~(torch.isfinite(scale) & (scale > 0))).view(-1).nonzero()
+            if bad.numel():
+                i = int(bad[0, 0])
+                raise ValueError(f"{op}: {name}: expected finite positive scales, got "
+                                 f"{float(scale.view(-1)[i])} at index {i}")
 
 
 def _check_paged_attention(
@@ -45,6 +76,8 @@ def _check_paged_attention(
     alibi_slopes: torch.Tensor | None,
     query_start_loc: torch.Tensor | None = None,
     causal: bool = True,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     *,
     read_values: bool = False,
 ) -> None:
@@ -58,7 +91,7 @@ def _check_paged_attention(
     seqs_shape = "shape [num_seqs]" if query_start_loc is None else "shape [num_seqs] (that of block_tables)"
     _check_tensor(op, "out", out, dim=3, dtypes=(query.dtype,))
     _check_same(op, "out", "shape", list(query.shape), list(out.shape))
-    _check_caches(op, key_cache, value_cache, query.dtype)
+    _check_caches(op, key_cache, value_cache, query.dtype, "query", k_scale, v_scale)
     num_kv_heads = key_cache.shape[2]
     _check_same(op, "key_cache", "head_size (dim 3, that of query)", head_size, key_cache.shape[3])
     if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
@@ -141,6 +174,8 @@ def _check_reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     *,
     read_values: bool = False,
 ) -> None:
@@ -149,7 +184,7 @@ def _check_reshape_and_cache(
     _check_tensor(op, "key", key, dim=3, dtypes=_FLOAT_DTYPES)
     _check_tensor(op, "value", value, dim=3, dtypes=(key.dtype,))
     _check_same(op, "value", "shape (that of key)", list(key.shape), list(value.shape))
-    _check_caches(op, key_cache, value_cache, key.dtype)
+    _check_caches(op, key_cache, value_cache, key.dtype, "key", k_scale, v_scale)
     _check_same(op, "key_cache", "[num_kv_heads, head_size] (dims 2, 3, those of key)", list(key.shape[1:]),
                 list(key_cache.shape[2:]))
     _check_tensor(op, "slot_mapping", slot_mapping, dim=1, dtypes=(torch.int64,))
@@ -181,14 +216,15 @@ _define_op(
     "paged_attention",
     "(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
     "Tensor seq_lens, float scale, Tensor? alibi_slopes, Tensor? query_start_loc=None, "
-    "bool causal=True) -> ()",
+    "bool causal=True, Tensor? k_scale=None, Tensor? v_scale=None) -> ()",
     ("out",),
     _check_paged_attention,
     paged_attention_reference,
 )
 _define_op(
     "reshape_and_cache",
-    "(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping) -> ()",
+    "(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, "
+    "Tensor? k_scale=None, Tensor? v_scale=None) -> ()",
     ("key_cache", "value_cache"),
     _check_reshape_and_cache,
     reshape_and_cache_reference,
@@ -207,6 +243,8 @@ def paged_attention(
     out: torch.Tensor | None = None,
     query_start_loc: torch.Tensor | None = None,
     causal: bool = True,
+    k_scale: torch.Tensor | float | None = None,
+    v_scale: torch.Tensor | float | None = None,
 ) -> torch.Tensor:
     """Attention of query tokens over their sequences' keys and values in a paged cache.
 
@@ -219,7 +257,8 @@ def paged_attention(
     Args:
         query: ``[num_seqs, num_heads, head_size]``, or with ``query_start_loc`` ``[num_tokens, num_heads,
             head_size]``; float16, bfloat16 or float32.
-        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``, query's dtype.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``, query's dtype or a
+            float8 dtype (``torch.float8_e4m3fn``, ``torch.float8_e5m2``) with ``k_scale`` and ``v_scale``.
             Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)`` (MHA, GQA, MQA).
         block_tables: int32 ``[num_seqs, max_blocks_per_seq]``, logical block -> physical block. Entries
             past a sequence's last used block are never read.
@@ -252,9 +291,22 @@ def paged_attention(
         raise TypeError(f"paged_attention: causal: expected a bool, got {type(causal).__name__}")
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    k_scale = _as_scale("paged_attention", "k_scale", k_scale, key_cache)
+    v_scale = _as_scale("paged_attention", "v_scale", v_scale, key_cache)
     torch.ops.tpkit.paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, float(scale),
-                                    alibi_slopes, query_start_loc, causal)
+                                    alibi_slopes, query_start_loc, causal, k_scale, v_scale)
     return out
+
+
+def _as_scale(op: str, name: str, scale: object, key_cache: object) -> torch.Tensor | None:
+    """A float32 tensor on the caches' device for a Python number; a tensor or None as it is."""
+    if scale is None or isinstance(scale, torch.Tensor):
+        return scale
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"{op}: {name}: expected a float, a float32 tensor or None, got "
+                        f"{type(scale).__name__}")
+    device = key_cache.device if isinstance(key_cache, torch.Tensor) else None
+    return torch.tensor(float(scale), dtype=torch.float32, device=device)
 
 
 def reshape_and_cache(
@@ -263,15 +315,25 @@ def reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | float | None = None,
+    v_scale: torch.Tensor | float | None = None,
 ) -> None:
     """Write new tokens' keys and values into the paged cache, in place.
 
     Args:
-        key, value: ``[num_tokens, num_kv_heads, head_size]``, the caches' dtype.
-        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``, written in place.
+        key, value: ``[num_tokens, num_kv_heads, head_size]``, the caches' dtype (or any float dtype for a
+            float8 cache).
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``, written in place; key's
+            dtype, or a float8 dtype with ``k_scale`` and ``v_scale``.
         slot_mapping: int64 ``[num_tokens]``, ``block * block_size + offset``, distinct; a negative slot
             skips the token (padding). On CPU tensors a slot past the cache or a repeated one is an error;
             on a GPU the kernel skips a slot past the cache rather than write out of bounds, and
             ``TPKIT_DEBUG=1`` reports both.
+        k_scale, v_scale: with a float8 cache (and only then), float32 tensors of shape ``[]`` or
+            ``[num_kv_heads]`` (or Python floats, as in :func:`paged_attention`): each element is stored as
+            ``saturate(x.float() / scale)``, rounded to nearest even and clamped to the dtype's finite range
+            (NaN stays NaN).
     """
-    torch.ops.tpkit.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    k_scale = _as_scale("reshape_and_cache", "k_scale", k_scale, key_cache)
+    v_scale = _as_scale("reshape_and_cache", "v_scale", v_scale, key_cache)
+    torch.ops.tpkit.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)

@@ -26,6 +26,8 @@ def paged_attention_reference(
     alibi_slopes: torch.Tensor | None,
     query_start_loc: torch.Tensor | None = None,
     causal: bool = True,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Attention of each query row over its sequence's paged K/V, written into ``out``.
 
@@ -34,7 +36,8 @@ def paged_attention_reference(
     reads its sequence's block table and attends, as the cache position it stands at, to the keys before it
     (``causal``) or to all of them. Rows and KV blocks are processed in chunks of at most
     :data:`CHUNK_ELEMENTS` gathered elements, merged with a running log-sum-exp, so memory stays bounded for
-    any context length.
+    any context length. A float8 cache's keys and values are dequantized as they are gathered,
+    ``stored.float() * scale``.
     """
     num_rows, num_heads, head_size = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -60,7 +63,7 @@ def paged_attention_reference(
         else:
             table, key_lens, query_pos = _token_rows(r0, r1, block_tables, seq_lens, query_start_loc, causal)
         result = _attend_chunk(q, key_cache, value_cache, table, key_lens, query_pos, slopes,
-                               num_table_blocks, blocks_per_chunk)
+                               num_table_blocks, blocks_per_chunk, k_scale, v_scale)
         out[r0:r1] = result.view(r1 - r0, num_heads, head_size).to(out.dtype)
 
 
@@ -100,12 +103,15 @@ def _attend_chunk(
     slopes: torch.Tensor | None,
     num_table_blocks: int,
     blocks_per_chunk: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of a chunk of rows, over their tables in pieces of ``blocks_per_chunk`` blocks.
 
     q [R, num_kv_heads, group, head_size] float32, pre-scaled; block_tables [R, max_blocks_per_seq]; key_lens
     int64 [R]: each row attends to cache positions ``0 .. key_lens - 1``; query_pos int64 [R]: the row's
-    cache position, for ALiBi. Returns float32 [R, num_kv_heads, group, head_size].
+    cache position, for ALiBi; k_scale, v_scale float32 [] or [num_kv_heads] (a float8 cache) or None.
+    Returns float32 [R, num_kv_heads, group, head_size].
     """
     num_rows, num_kv_heads, group, head_size = q.shape
     block_size = key_cache.shape[1]
@@ -124,8 +130,9 @@ def _attend_chunk(
         positions = torch.arange(b0 * block_size, b1 * block_size, device=device)  # [T]
         valid = positions[None, :] < key_lens[:, None]  # [R, T]
         # reshape, not view: indexing a cache with strided pages (a head-major view) keeps their order.
-        keys = key_cache[table].reshape(num_rows, num_tokens, num_kv_heads, head_size).float()
-        values = value_cache[table].reshape(num_rows, num_tokens, num_kv_heads, head_size).float()
+        keys = _dequantized(key_cache[table].reshape(num_rows, num_tokens, num_kv_heads, head_size), k_scale)
+        values = _dequantized(value_cache[table].reshape(num_rows, num_tokens, num_kv_heads, head_size),
+                              v_scale)
         # Unused slots may hold NaN, and NaN * 0 is NaN: mask the values as well as the scores.
         values = torch.where(valid[:, :, None, None], values, 0.0)
         scores = torch.einsum("rhgd,rthd->rhgt", q, keys)  # [R, num_kv_heads, group, T]
@@ -146,15 +153,32 @@ def _attend_chunk(
     return torch.where(key_lens[:, None, None, None] > 0, acc / running_sum, 0.0)
 
 
+def _dequantized(stored: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """float32 of cached ``[..., num_kv_heads, head_size]``, times the float8 cache's scale (shape [] or
+    [num_kv_heads]) where there is one."""
+    values = stored.float()
+    return values if scale is None else values * scale.view(-1, 1)
+
+
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``saturate(x.float() / scale)`` in float8 ``dtype``: x ``[..., num_kv_heads, head_size]``, scale
+    float32 [] or [num_kv_heads]. Rounds to nearest even (as the kernel's conversion does) after clamping to
+    the dtype's finite range, so an overflow saturates and NaN stays NaN."""
+    limit = torch.finfo(dtype).max
+    return (x.float() / scale.view(-1, 1)).clamp(-limit, limit).to(dtype)
+
+
 def reshape_and_cache_reference(
     key: torch.Tensor,
     value: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write each token's K/V into its cache slot; negative slots (and, as in the kernel, slots past the
-    cache) are skipped.
+    cache) are skipped. With scales (a float8 cache) each value is stored as :func:`quantize_kv` makes it.
 
     Arguments are as for ``tpkit.attention.reshape_and_cache`` and are assumed valid.
 
@@ -176,7 +200,9 @@ def reshape_and_cache_reference(
     slots = torch.where(valid, slot_mapping, donor_slot)  # [num_tokens]
     blocks = torch.div(slots, block_size, rounding_mode="floor")
     offsets = slots - blocks * block_size
-    for new, cache in ((key, key_cache), (value, value_cache)):
+    for new, cache, scale in ((key, key_cache, k_scale), (value, value_cache, v_scale)):
+        if scale is not None:
+            new = quantize_kv(new, scale, cache.dtype)
         # [1, num_kv_heads, head_size]
         donor_row = torch.where(any_valid, new.index_select(0, donor), cache[:1, 0])
         rows = torch.where(valid[:, None, None], new, donor_row)  # [num_tokens, num_kv_heads, head_size]

@@ -11,7 +11,9 @@ rank's vocabulary columns), :func:`reduce_kv_replica_grads`, :func:`clip_grad_no
 :func:`mark_sequence_parallel` and :func:`reduce_sequence_parallel_grads`. :func:`launch` runs a function on
 the ranks of a world on this machine (gloo on the CPU, NCCL on GPUs), as ``torchrun`` would. Each layer
 describes how its parameters are split with ``layer.shard_parts(param)`` (:class:`ShardPart`,
-``.sharding``), which ``tpkit.checkpoint`` reads to save and load at any tp_size.
+``.sharding``), which ``tpkit.checkpoint`` reads to save and load at any tp_size. The linear layers take a
+``quant_method`` (:class:`Fp8LinearMethod`: float8 weights with per-tensor, per-channel or block scales,
+sharded by the same loaders; ``.quantization``), or get one with :func:`set_quant_method`.
 :func:`check_ranks_agree` raises on every rank where the ranks were given different values (configs,
 shapes, prompts), which would otherwise abort inside the backend or compute garbage.
 """
@@ -44,6 +46,12 @@ from .mappings import (
     scatter_to_sequence_parallel_region,
     scatter_to_tp_region,
 )
+from .quantization import (
+    Fp8LinearMethod,
+    QuantizationMethod,
+    process_weights_after_loading,
+    set_quant_method,
+)
 from .random import (
     checkpoint,
     get_tensor_parallel_rng_state,
@@ -65,6 +73,7 @@ from .vocab_embedding import ParallelLMHead, VocabParallelEmbedding, pad_vocab_s
 
 __all__ = [
     "ColumnParallelLinear",
+    "Fp8LinearMethod",
     "LinearOp",
     "MergedColumnParallelLinear",
     "ParallelLMHead",
@@ -72,6 +81,7 @@ __all__ = [
     "RankPool",
     "QKVCrossParallelLinear",
     "QKVParallelLinear",
+    "QuantizationMethod",
     "ReplicatedLinear",
     "RowParallelLinear",
     "ShardPart",
@@ -94,6 +104,7 @@ __all__ = [
     "local_device",
     "mark_sequence_parallel",
     "pad_vocab_size",
+    "process_weights_after_loading",
     "reduce_from_tp_region",
     "reduce_kv_replica_grads",
     "reduce_scatter_to_sequence_parallel_region",
@@ -102,6 +113,7 @@ __all__ = [
     "scatter_to_tp_region",
     "seed_tensor_parallel",
     "set_linear_op",
+    "set_quant_method",
     "set_tensor_parallel_rng_state",
     "skip_init",
     "tensor_parallel_dropout",

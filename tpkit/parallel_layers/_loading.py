@@ -52,9 +52,11 @@ def _reject_shard_id(name: str, loaded_shard_id: object) -> None:
 
 
 def _attach_weight_loaders(module: nn.Module) -> None:
-    """Gives each of the module's own parameters ``param.weight_loader`` = the module's loader."""
-    for param in module.parameters(recurse=False):
-        param.weight_loader = module.weight_loader
+    """Gives each of the module's own parameters ``param.weight_loader`` = the module's loader, or the one
+    its quantization method gave that parameter (``module._quant_loaders``, by name)."""
+    special = getattr(module, "_quant_loaders", {})
+    for name, param in module.named_parameters(recurse=False):
+        param.weight_loader = special.get(name, module.weight_loader)
 
 
 class _LoadableModule(nn.Module):

@@ -4,7 +4,8 @@ Cross-attention takes q from the decoder and k, v from the encoder. A :class:`QK
 both computes q, k and v for each and throws two thirds away. :class:`QKVCrossParallelLinear` holds the
 very same parameters (names, shapes, weight loaders: a drop-in for checkpoints and
 ``stacked_params_mapping``) and multiplies the decoder states by the q rows of the weight only and the
-encoder states by the k, v rows only: row slices of the one weight, views, nothing copied.
+encoder states by the k, v rows only: row slices of the one weight, views, nothing copied (a quantization
+method takes the same row ranges).
 """
 
 from __future__ import annotations
@@ -44,14 +45,12 @@ class QKVCrossParallelLinear(QKVParallelLinear):
         q_bias, k_bias, v_bias = self._split_bias()
         add_bias = not self.skip_bias_add
         decoder_hidden_states = self._input_region(decoder_hidden_states)
-        q_weight = self.weight[: self.q_size]  # [q_size, hidden_size], a view
-        q = self.linear_op(decoder_hidden_states, q_weight, q_bias if add_bias else None)
+        q = self._product(decoder_hidden_states, q_bias if add_bias else None, slice(0, self.q_size))
         k = v = None
         if encoder_hidden_states is not None:
             encoder_hidden_states = self._input_region(encoder_hidden_states)
-            kv_weight = self.weight[self.q_size:]  # [2 * kv_size, hidden_size], a view
             kv_bias = None if self.bias is None or not add_bias else self.bias[self.q_size:]
-            kv = self.linear_op(encoder_hidden_states, kv_weight, kv_bias)
+            kv = self._product(encoder_hidden_states, kv_bias, slice(self.q_size, None))
             k, v = kv.split([self.kv_size, self.kv_size], -1)
         if add_bias:
             return q, k, v

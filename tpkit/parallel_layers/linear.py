@@ -52,6 +52,7 @@ from .mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tp_region,
 )
+from .quantization import QuantizationMethod
 from .sharding import ShardPart, replicated
 from .state import TPGroup, _resolve_tp_group
 
@@ -77,6 +78,7 @@ class _LinearBase(_UsesLinearOp, _LoadableModule):
         tp: TPGroup,
         params_dtype: torch.dtype | None,
         device: torch.device | str | None,
+        quant_method: QuantizationMethod | None = None,
     ) -> None:
         super().__init__()
         self.input_size = input_size
@@ -98,6 +100,24 @@ class _LinearBase(_UsesLinearOp, _LoadableModule):
             self.register_parameter("bias", None)
         _attach_weight_loaders(self)
         self.reset_parameters()
+        if quant_method is not None:
+            self.quant_method = quant_method
+            quant_method.create_weights(self)
+
+    # How the layer holds and multiplies its weight (tpkit.parallel_layers.quantization); None: as it is,
+    # through linear_op.
+    quant_method: QuantizationMethod | None = None
+
+    def _product(self, input_: torch.Tensor, bias: torch.Tensor | None, rows: slice | None = None
+                 ) -> torch.Tensor:
+        """``input_ @ weight[rows].T + bias``: the quantization method's product, else ``linear_op``'s."""
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, input_, bias, rows)
+        return self.linear_op(input_, self.weight if rows is None else self.weight[rows], bias)
+
+    def _quantized_shard_parts(self, param: nn.Parameter) -> tuple[ShardPart, ...] | None:
+        """A quantization method's parameters' layout (its scales'), or None for the layer's own rule."""
+        return None if self.quant_method is None else self.quant_method.shard_parts(self, param)
 
     def _grad_holders(self, param: nn.Parameter) -> int | torch.Tensor:
         """How many ranks of the group hold each row of ``param`` (an int, or one a row): gradient norms count
@@ -125,8 +145,10 @@ class _LinearBase(_UsesLinearOp, _LoadableModule):
                              f"got shape {got}")
 
     def extra_repr(self) -> str:
+        quant = "" if self.quant_method is None else f", quant_method={self.quant_method!r}"
         return (f"input_size={self.input_size}, output_size={self.output_size}, "
-                f"bias={self.bias is not None}, tp_size={self.tp_size}, weight={tuple(self.weight.shape)}")
+                f"bias={self.bias is not None}, tp_size={self.tp_size}, weight={tuple(self.weight.shape)}"
+                f"{quant}")
 
 
 class ReplicatedLinear(_LinearBase):
@@ -142,11 +164,12 @@ class ReplicatedLinear(_LinearBase):
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         tp_group: _TPGroupArg = None,
+        quant_method: QuantizationMethod | None = None,
     ) -> None:
         _check_positive(input_size=input_size, output_size=output_size)
         super().__init__(input_size, output_size, input_size, output_size, bias=bias,
                          skip_bias_add=skip_bias_add, tp=_resolve_tp_group(tp_group),
-                         params_dtype=params_dtype, device=device)
+                         params_dtype=params_dtype, device=device, quant_method=quant_method)
 
     def reset_parameters(self) -> None:
         for param in (self.weight, self.bias):
@@ -163,7 +186,7 @@ class ReplicatedLinear(_LinearBase):
     def forward(self, input_: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         # [..., input_size] -> [..., output_size]
         self._check_input(input_, self.input_size)
-        output = self.linear_op(input_, self.weight, None if self.skip_bias_add else self.bias)
+        output = self._product(input_, None if self.skip_bias_add else self.bias)
         return self._with_bias(output)
 
 
@@ -176,14 +199,16 @@ class _ColumnParallelBase(_LinearBase):
 
     def __init__(self, input_size: int, output_size: int, output_size_per_partition: int, *, bias: bool,
                  gather_output: bool, skip_bias_add: bool, sequence_parallel: bool, tp: TPGroup,
-                 params_dtype: torch.dtype | None, device: torch.device | str | None) -> None:
+                 params_dtype: torch.dtype | None, device: torch.device | str | None,
+                 quant_method: QuantizationMethod | None = None) -> None:
         if sequence_parallel and gather_output:
             raise ValueError("sequence_parallel=True takes the output split over the ranks: expected "
                              "gather_output=False, received True")
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
         super().__init__(input_size, output_size, input_size, output_size_per_partition, bias=bias,
-                         skip_bias_add=skip_bias_add, tp=tp, params_dtype=params_dtype, device=device)
+                         skip_bias_add=skip_bias_add, tp=tp, params_dtype=params_dtype, device=device,
+                         quant_method=quant_method)
 
     def _grad_holders(self, param: nn.Parameter) -> int | torch.Tensor:
         return 1
@@ -204,6 +229,9 @@ class _ColumnParallelBase(_LinearBase):
         return [(None, self.output_size, self.tp_rank * rows, rows, 0)]
 
     def shard_parts(self, param: nn.Parameter) -> tuple[ShardPart, ...]:
+        quantized = self._quantized_shard_parts(param)
+        if quantized is not None:
+            return quantized
         return tuple(ShardPart(shard_id, (total, *param.shape[1:]), 0, start, length, param_start)
                      for shard_id, total, start, length, param_start in self._logical_rows())
 
@@ -235,7 +263,7 @@ class _ColumnParallelBase(_LinearBase):
         # [..., input_size] -> [..., output_size_per_partition] (or [..., output_size] with gather_output)
         self._check_input(input_, self.input_size)
         input_ = self._input_region(input_)
-        output = self.linear_op(input_, self.weight, None if self.skip_bias_add else self.bias)
+        output = self._product(input_, None if self.skip_bias_add else self.bias)
         if not (self.gather_output and self.tp_size > 1):
             return self._with_bias(output)
         output = gather_from_tp_region(output, self.tp_group)
@@ -265,12 +293,14 @@ class ColumnParallelLinear(_ColumnParallelBase):
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         tp_group: _TPGroupArg = None,
+        quant_method: QuantizationMethod | None = None,
     ) -> None:
         _check_positive(input_size=input_size, output_size=output_size)
         tp = _resolve_tp_group(tp_group)
         super().__init__(input_size, output_size, _divide(output_size, tp.size, "output_size"), bias=bias,
                          gather_output=gather_output, skip_bias_add=skip_bias_add,
-                         sequence_parallel=sequence_parallel, tp=tp, params_dtype=params_dtype, device=device)
+                         sequence_parallel=sequence_parallel, tp=tp, params_dtype=params_dtype, device=device,
+                         quant_method=quant_method)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       loaded_shard_id: int | str | None = None) -> None:
@@ -301,6 +331,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         tp_group: _TPGroupArg = None,
+        quant_method: QuantizationMethod | None = None,
     ) -> None:
         if not output_sizes:
             raise ValueError("output_sizes must list at least one size, got an empty list")
@@ -311,7 +342,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = list(output_sizes)
         super().__init__(input_size, sum(output_sizes), bias=bias, gather_output=gather_output,
                          skip_bias_add=skip_bias_add, sequence_parallel=sequence_parallel,
-                         params_dtype=params_dtype, device=device, tp_group=tp)
+                         params_dtype=params_dtype, device=device, tp_group=tp, quant_method=quant_method)
 
     def _shard_pieces(self, index: int) -> tuple[int, int, int]:
         """(start in this rank's rows, start in the full output, length) of matrix ``index``'s share."""
@@ -373,6 +404,7 @@ class QKVParallelLinear(_ColumnParallelBase):
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         tp_group: _TPGroupArg = None,
+        quant_method: QuantizationMethod | None = None,
     ) -> None:
         total_num_kv_heads = total_num_heads if total_num_kv_heads is None else total_num_kv_heads
         _check_positive(hidden_size=hidden_size, head_size=head_size, total_num_heads=total_num_heads,
@@ -400,7 +432,8 @@ class QKVParallelLinear(_ColumnParallelBase):
         output_size = (total_num_heads + 2 * total_num_kv_heads) * head_size
         super().__init__(hidden_size, output_size, self.q_size + 2 * self.kv_size, bias=bias,
                          gather_output=False, skip_bias_add=skip_bias_add,
-                         sequence_parallel=sequence_parallel, tp=tp, params_dtype=params_dtype, device=device)
+                         sequence_parallel=sequence_parallel, tp=tp, params_dtype=params_dtype, device=device,
+                         quant_method=quant_method)
 
     def _qkv_piece(self, shard: str) -> tuple[int, int, int, int]:
         """(start in this rank's rows, start in the q/k/v checkpoint tensor, length, offset when fused)."""
@@ -507,6 +540,7 @@ class RowParallelLinear(_LinearBase):
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         tp_group: _TPGroupArg = None,
+        quant_method: QuantizationMethod | None = None,
     ) -> None:
         _check_positive(input_size=input_size, output_size=output_size)
         if sequence_parallel and not (input_is_parallel and reduce_results):
@@ -519,7 +553,7 @@ class RowParallelLinear(_LinearBase):
         self.sequence_parallel = sequence_parallel
         super().__init__(input_size, output_size, _divide(input_size, tp.size, "input_size"), output_size,
                          bias=bias, skip_bias_add=skip_bias_add, tp=tp, params_dtype=params_dtype,
-                         device=device)
+                         device=device, quant_method=quant_method)
 
     def reset_parameters(self) -> None:
         seed = _shard_seed(self.tp_group)
@@ -543,6 +577,9 @@ class RowParallelLinear(_LinearBase):
         return 1 if param is self.weight else self.tp_size  # the bias: on every rank
 
     def shard_parts(self, param: nn.Parameter) -> tuple[ShardPart, ...]:
+        quantized = self._quantized_shard_parts(param)
+        if quantized is not None:
+            return quantized
         if param is not self.weight:
             return replicated(param)
         columns = self.input_size_per_partition
@@ -557,10 +594,10 @@ class RowParallelLinear(_LinearBase):
             self._check_input(input_, self.input_size)
         add_bias = self.bias is not None and not self.skip_bias_add
         if self.tp_size == 1:
-            return self._with_bias(self.linear_op(input_, self.weight, self.bias if add_bias else None))
+            return self._with_bias(self._product(input_, self.bias if add_bias else None))
         if not self.input_is_parallel:
             input_ = scatter_to_tp_region(input_, self.tp_group)
-        output = self.linear_op(input_, self.weight, None)
+        output = self._product(input_, None)
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(output, self.tp_group)
             return self._with_bias(output + self.bias if add_bias else output)

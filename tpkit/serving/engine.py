@@ -89,7 +89,7 @@ class Engine:
         blocks = {}
         for name, (num_layers, num_kv_heads, head_size) in layout.items():
             block_bytes = 2 * num_layers * self.model.kv_block_size * num_kv_heads * head_size * \
-                self.model.dtype.itemsize  # keys and values, every layer
+                self.model.cache_dtype.itemsize  # keys and values, every layer
             blocks[name] = share // block_bytes
         counts = torch.tensor(list(blocks.values()), dtype=torch.int64,
                               device="cuda" if self.tp_group.backend == "nccl" else "cpu")

@@ -28,14 +28,14 @@ int planned_splits(const tpkit_decode_linear_args* a, int multiprocessors) {
   return splits;
 }
 
-template <typename T, int kSplits, tpkit::LinearEpilogue kEpilogue>
+template <typename T, int kSplits, tpkit::LinearEpilogue kEpilogue, bool kFp8Weight = false>
 cudaError_t launch_rows(const tpkit_decode_linear_args* a, cudaStream_t stream) {
   const int blocks = grid_blocks(a);
   const int threads = tpkit::kLinearRowGroups * kSplits * 32;
   if (a->num_rows > 8) {
-    tpkit::decode_linear_kernel<T, kSplits, true, kEpilogue><<<blocks, threads, 0, stream>>>(*a);
+    tpkit::decode_linear_kernel<T, kSplits, true, kEpilogue, kFp8Weight><<<blocks, threads, 0, stream>>>(*a);
   } else {
-    tpkit::decode_linear_kernel<T, kSplits, false, kEpilogue><<<blocks, threads, 0, stream>>>(*a);
+    tpkit::decode_linear_kernel<T, kSplits, false, kEpilogue, kFp8Weight><<<blocks, threads, 0, stream>>>(*a);
   }
   return cudaGetLastError();
 }
@@ -43,6 +43,7 @@ cudaError_t launch_rows(const tpkit_decode_linear_args* a, cudaStream_t stream) 
 template <typename T, int kSplits>
 cudaError_t launch_splits(const tpkit_decode_linear_args* a, cudaStream_t stream) {
   using tpkit::LinearEpilogue;
+  if (a->weight_scale != nullptr) return launch_rows<T, kSplits, LinearEpilogue::kPlain, true>(a, stream);
   if (a->silu_and_mul) return launch_rows<T, kSplits, LinearEpilogue::kSiLUAndMul>(a, stream);
   if (a->rotary_features > 0) return launch_rows<T, kSplits, LinearEpilogue::kRotaryCache>(a, stream);
   if (a->residual != nullptr) return launch_rows<T, kSplits, LinearEpilogue::kResidualNorm>(a, stream);
@@ -83,7 +84,11 @@ int tpkit_decode_linear_supported(const tpkit_decode_linear_args* a) {
   const bool residual_ok = a->residual == nullptr || (!a->silu_and_mul && a->rotary_features == 0 &&
                                                        a->norm_weight != nullptr && a->normed != nullptr &&
                                                        a->sums != nullptr);
-  return dtype_ok && shape_ok && aligned && splits_ok && rotary_ok && residual_ok && a->out != nullptr ? 1 : 0;
+  const bool fp8_ok =
+      a->weight_scale == nullptr || (!a->silu_and_mul && a->rotary_features == 0 && a->residual == nullptr);
+  return dtype_ok && shape_ok && aligned && splits_ok && rotary_ok && residual_ok && fp8_ok && a->out != nullptr
+             ? 1
+             : 0;
 }
 
 cudaError_t tpkit_decode_linear_launch(const tpkit_decode_linear_args* a, cudaStream_t stream) {

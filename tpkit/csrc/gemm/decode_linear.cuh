@@ -11,6 +11,8 @@
 
 #include <stdint.h>
 
+#include <cuda_fp8.h>
+
 #include "gemm/decode_linear.h"
 #include "common/dtype_traits.cuh"
 #include "common/ptx.cuh"
@@ -28,13 +30,39 @@ constexpr int kLinearThreadsPerSM = 1024;
 // k-slots (2t, 2t+1, 2t+8, 2t+9) of two products. A sum does not care which column a slot holds, so long
 // as the input's and the weight's agree.
 template <bool kBF16, bool kUpperRows>
-__device__ __forceinline__ void multiply_step(float (&c)[4], const uint4* __restrict__ weight,
-                                              const uint4* __restrict__ lower, const uint4* __restrict__ upper) {
-  const uint4 w = *weight, x = *lower, y = kUpperRows ? *upper : make_uint4(0, 0, 0, 0);
+__device__ __forceinline__ void multiply_loaded(float (&c)[4], const uint4 w, const uint4* __restrict__ lower,
+                                                const uint4* __restrict__ upper) {
+  const uint4 x = *lower, y = kUpperRows ? *upper : make_uint4(0, 0, 0, 0);
   const uint32_t a0[4] = {x.x, y.x, x.y, y.y};
   const uint32_t a1[4] = {x.z, y.z, x.w, y.w};
   mma_m16n8k16<kBF16>(c, a0, w.x, w.y);
   mma_m16n8k16<kBF16>(c, a1, w.z, w.w);
+}
+
+template <bool kBF16, bool kUpperRows>
+__device__ __forceinline__ void multiply_step(float (&c)[4], const uint4* __restrict__ weight,
+                                              const uint4* __restrict__ lower, const uint4* __restrict__ upper) {
+  multiply_loaded<kBF16, kUpperRows>(c, *weight, lower, upper);
+}
+
+// Eight float8 (E4M3) weights, 8 bytes, as eight values of T in the 16 bytes a 16-bit step's weight load
+// gives: each pair converted exactly (every E4M3 value is a float16 and a bfloat16 value).
+template <typename T>
+__device__ __forceinline__ uint4 fp8x8_to(const uint2 raw) {
+  const uint32_t words[2] = {raw.x, raw.y};
+  uint32_t out[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __nv_fp8x2_storage_t pair = static_cast<__nv_fp8x2_storage_t>(words[i / 2] >> (16 * (i % 2)));
+    const __half2 h = __half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3));
+    if constexpr (DTypeTraits<T>::kIsBF16) {
+      const float2 f = __half22float2(h);
+      out[i] = DTypeTraits<T>::pack2(f.x, f.y);
+    } else {
+      out[i] = *reinterpret_cast<const uint32_t*>(&h);
+    }
+  }
+  return make_uint4(out[0], out[1], out[2], out[3]);
 }
 
 // What a block does with its sums (decode_linear.h): store them, combine gate and up (SwiGLU), rotate q
@@ -46,7 +74,9 @@ enum class LinearEpilogue { kPlain, kSiLUAndMul, kRotaryCache, kResidualNorm };
 // 8-15), the weight as B. The block's two groups take 16 weight rows: 16 consecutive features; with
 // kSiLUAndMul, the gate's 8 rows and the up projection's same 8 features; with kRotaryCache, in a q or k
 // head, 8 features and the 8 they rotate with (head_size / 2 on), so that the epilogue combines them.
-template <typename T, int kSplits, bool kUpperRows, LinearEpilogue kEpilogue>
+// kFp8Weight: the weight is float8 (E4M3), 8 bytes a lane a step converted to T in registers, and each
+// feature's sum is multiplied by its weight_scale (decode_linear.h).
+template <typename T, int kSplits, bool kUpperRows, LinearEpilogue kEpilogue, bool kFp8Weight = false>
 __global__ void __launch_bounds__(kLinearRowGroups * kSplits * 32,
                                   kLinearThreadsPerSM / (kLinearRowGroups * kSplits * 32))
     decode_linear_kernel(const tpkit_decode_linear_args a) {
@@ -93,17 +123,29 @@ __global__ void __launch_bounds__(kLinearRowGroups * kSplits * 32,
     const int begin = split * steps / kSplits, end = (split + 1) * steps / kSplits;
     constexpr int kUnits = kLinearStep * sizeof(T) / 16;  // 16-byte units a step advances a row by
     const T* input = static_cast<const T*>(a.input);
-    const uint4* __restrict__ weight = reinterpret_cast<const uint4*>(
-        static_cast<const T*>(a.weight) + static_cast<int64_t>(n0 + r) * a.in_features) + t;
+    const int64_t row_start = static_cast<int64_t>(n0 + r) * a.in_features;
     // Rows past num_rows read the last row again: in bounds, and their sums are never stored.
     const uint4* __restrict__ lower =
         reinterpret_cast<const uint4*>(input + min(r, a.num_rows - 1) * a.input_stride) + t;
     const uint4* __restrict__ upper =
         reinterpret_cast<const uint4*>(input + min(r + 8, a.num_rows - 1) * a.input_stride) + t;
+    if constexpr (kFp8Weight) {
+      // 8-byte units: a step advances a float8 row by 32 bytes, a lane's 8 weights at unit t.
+      const uint2* __restrict__ weight =
+          reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(a.weight) + row_start) + t;
 #pragma unroll 4
-    for (int step = begin; step < end; ++step) {
-      const int u = step * kUnits;
-      multiply_step<Traits::kIsBF16, kUpperRows>(c, weight + u, lower + u, upper + u);
+      for (int step = begin; step < end; ++step) {
+        const int u = step * kUnits;
+        multiply_loaded<Traits::kIsBF16, kUpperRows>(c, fp8x8_to<T>(weight[step * 4]), lower + u, upper + u);
+      }
+    } else {
+      const uint4* __restrict__ weight =
+          reinterpret_cast<const uint4*>(static_cast<const T*>(a.weight) + row_start) + t;
+#pragma unroll 4
+      for (int step = begin; step < end; ++step) {
+        const int u = step * kUnits;
+        multiply_step<Traits::kIsBF16, kUpperRows>(c, weight + u, lower + u, upper + u);
+      }
     }
   }
   // c: rows r and r + 8, features 2t and 2t + 1 of the group's 8.
@@ -125,6 +167,7 @@ __global__ void __launch_bounds__(kLinearRowGroups * kSplits * 32,
 #pragma unroll
     for (int s = 0; s < kSplits; ++s) sum += partial[g][s][m][j];
     if (a.rms_sums != nullptr) sum *= row_scale[m];
+    if constexpr (kFp8Weight) sum *= a.weight_scale[n];
     return bias != nullptr ? sum + Traits::to_float(bias[n]) : sum;
   };
   if constexpr (kSiLUAndMul) {

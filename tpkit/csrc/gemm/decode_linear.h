@@ -61,6 +61,10 @@ typedef struct {
   double* zero_sums;        // [num_rows], float64, or NULL
   const double* rms_sums;   // [num_rows], float64, or NULL
   float eps;
+  // Float8 (E4M3) weights, when weight_scale is not NULL (the plain product only): weight holds
+  // [out_features, in_features] float8 values, converted exactly to the dtype in registers, and row n's
+  // product is multiplied by weight_scale[n] (float32) before the bias.
+  const float* weight_scale;  // [out_features], or NULL
 } tpkit_decode_linear_args;
 
 // The most rows one launch takes.
@@ -69,7 +73,8 @@ typedef struct {
 // 1 when the kernel takes these arguments: float16 or bfloat16, 1-16 rows, in_features a multiple of 32,
 // out_features of 8 (of 16 with silu_and_mul), input and weight rows 16-byte aligned, splits 0, 1, 2, 4 or 8;
 // with the rotation, head_size a multiple of 16 and q_features, rotary_features and out_features multiples
-// of head_size; with a residual, neither SwiGLU nor the rotation, and norm_weight, normed and sums given.
+// of head_size; with a residual, neither SwiGLU nor the rotation, and norm_weight, normed and sums given;
+// with weight_scale (float8 weights), none of SwiGLU, the rotation and the residual.
 int tpkit_decode_linear_supported(const tpkit_decode_linear_args* args);
 
 // Launches the kernel on `stream` (cudaErrorInvalidValue where tpkit_decode_linear_supported says 0).

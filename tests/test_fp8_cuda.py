@@ -1,0 +1,139 @@
+"""Float8 on a CUDA GPU: the quantizing cache write's kernel bit for bit against the PyTorch reference,
+attention over a float8 cache, the float8 tensor-core product of Fp8LinearMethod against the dequantized
+weight's, and all of them inside CUDA graphs. Skipped without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from cuda_graphs import capture
+
+from tpkit.attention import Attention, PagedKVCache
+from tpkit.models import LlamaForCausalLM
+from tpkit.ops import _extension, decode_linear_fp8
+from tpkit.ops.paged_attention_reference import reshape_and_cache_reference
+from tpkit.parallel_layers import Fp8LinearMethod, MergedColumnParallelLinear, RowParallelLinear
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _has_fp8_tensor_cores() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("per_head", [False, True])
+def test_kernel_write_equals_the_reference_bit_for_bit(cache_dtype, dtype, per_head):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    num_tokens, num_kv_heads, head_size = 37, 4, 128
+    # A fused-QKV-like token stride, values across the format's range, and some out of it, inf and NaN.
+    wide = torch.randn(num_tokens, 3 * num_kv_heads, head_size, device="cuda", generator=gen) * 300
+    wide[0, 0, :4] = torch.tensor([float("inf"), -float("inf"), float("nan"), 1e9])
+    key, value = wide[:, :num_kv_heads].to(dtype), wide[:, num_kv_heads:2 * num_kv_heads].to(dtype)
+    k_scale = torch.rand(num_kv_heads if per_head else (), device="cuda", generator=gen) + 0.1
+    v_scale = torch.rand(num_kv_heads if per_head else (), device="cuda", generator=gen) + 0.1
+    shape = (10, 16, num_kv_heads, head_size)
+    slots = torch.randperm(160, device="cuda", generator=gen)[:num_tokens]
+    slots[::5] = -1
+    caches = [torch.zeros(shape, dtype=cache_dtype, device="cuda") for _ in range(4)]
+    assert _extension.reshape_and_cache(key, value, caches[0], caches[1], slots, k_scale, v_scale)
+    reshape_and_cache_reference(key, value, caches[2], caches[3], slots, k_scale, v_scale)
+    for kernel, reference in ((caches[0], caches[2]), (caches[1], caches[3])):
+        assert torch.equal(kernel.view(torch.uint8), reference.view(torch.uint8))
+
+
+def test_attention_over_a_float8_cache_in_a_graph():
+    """The Attention module's step on a float8 cache (write and attention) replayed equals the eager step,
+    and the eager step equals the CPU's."""
+    torch.manual_seed(1)
+    cache = PagedKVCache(1, 16, 16, 2, 128, dtype=torch.float8_e4m3fn, device="cuda")
+    cache.set_scales(0, torch.tensor([0.01, 0.02]), 0.005)
+    attn = Attention(8, 128, 2)
+    prefill = cache.prefill_metadata([0, 1], [20, 33])
+    query = torch.randn(1, 53, 8 * 128, device="cuda", dtype=torch.bfloat16)
+    key, value = (torch.randn(1, 53, 2 * 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out = attn(query, key, value, kv_cache=cache, layer_idx=0, metadata=prefill)
+    cpu = PagedKVCache(1, 16, 16, 2, 128, dtype=torch.float8_e4m3fn, device="cpu")
+    cpu.set_scales(0, torch.tensor([0.01, 0.02]), 0.005)
+    cpu_out = attn(query.cpu(), key.cpu(), value.cpu(), kv_cache=cpu, layer_idx=0,
+                   metadata=cpu.prefill_metadata([0, 1], [20, 33]))
+    torch.testing.assert_close(out.cpu(), cpu_out, atol=1e-2, rtol=1e-2)
+    decode = cache.decode_metadata([0, 1])
+    step = [torch.randn(2, 1, n * 128, device="cuda", dtype=torch.bfloat16) for n in (8, 2, 2)]
+    snapshot = [c.clone() for c in cache.key_caches + cache.value_caches]
+    eager = attn(*step, kv_cache=cache, layer_idx=0, metadata=decode)
+    for c, saved in zip(cache.key_caches + cache.value_caches, snapshot, strict=True):
+        c.copy_(saved)
+    graph, replayed = capture(lambda: attn(*step, kv_cache=cache, layer_idx=0, metadata=decode))
+    graph.replay()
+    torch.testing.assert_close(replayed, eager, atol=0, rtol=0)
+
+
+@pytest.mark.skipif(not _has_fp8_tensor_cores(), reason="needs float8 tensor cores (compute 8.9+)")
+@pytest.mark.parametrize("scheme,static", [("channel", False), ("tensor", False), ("tensor", True)])
+def test_fp8_tensor_core_product_within_the_activation_rounding(scheme, static):
+    """torch._scaled_mm's product against the dequantized weight's: the activation quantized per token (or
+    with the static scale) rounds each input by at most 2^-4 relative, so |error| <= 2^-4 |x| @ |W|^T plus
+    the bfloat16 output's rounding."""
+    torch.manual_seed(2)
+    method = Fp8LinearMethod(scheme, static_input_scale=static)
+    layer = MergedColumnParallelLinear(256, [128, 256], bias=True, params_dtype=torch.bfloat16, device="cuda",
+                                       quant_method=method)
+    if static:
+        layer.input_scale.data.fill_(8.0 / 448)  # above every |x|: nothing saturates
+    x = torch.randn(3, 5, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        out = layer(x)
+        weight = method.dequantized_weight(layer, torch.float32)
+        exact = x.float() @ weight.T + layer.bias.float()
+        bound = 2 ** -4 * (x.float().abs() @ weight.abs().T) + 2 ** -7 * exact.abs() + 1e-3
+        assert ((out.float() - exact).abs() <= bound).all()
+        graph, replayed = capture(lambda: layer(x))
+        graph.replay()
+        assert torch.equal(replayed, out)
+    row = RowParallelLinear(256, 64, bias=False, params_dtype=torch.bfloat16, device="cuda",
+                            quant_method=Fp8LinearMethod("block"))
+    with torch.inference_mode():  # block scales: the dequantized product
+        expected = F.linear(x, Fp8LinearMethod("block").dequantized_weight(row, torch.bfloat16))
+        assert torch.equal(row(x), expected)
+
+
+def test_fp8_llama_generates_the_same_tokens_in_graphs():
+    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 256,
+              "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "max_position_embeddings": 128, "rms_norm_eps": 1e-6}
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(config, dtype=torch.bfloat16, device="cuda",
+                             quant_method=Fp8LinearMethod("channel")).eval()
+    model.kv_cache_dtype = torch.float8_e4m3fn
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    eager = model.generate(prompts, 8, ignore_eos=True)
+    assert model.generate(prompts, 8, ignore_eos=True, cuda_graph=True) == eager
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("num_rows", [1, 5, 16])
+def test_decode_kernel_reading_float8_weights(dtype, num_rows):
+    """The decode kernel's product of float8 weights against the float32 product of the dequantized weight
+    (the conversion to the dtype is exact: only the accumulation order and the output's rounding differ),
+    for every split, then through the wrapper inside a CUDA graph."""
+    torch.manual_seed(4)
+    weight = (torch.randn(384, 512, device="cuda") * 40).to(torch.float8_e4m3fn)
+    scale = torch.rand(384, device="cuda") * 0.01 + 1e-3
+    x = torch.randn(num_rows, 512, device="cuda", dtype=dtype)
+    bias = torch.randn(384, device="cuda", dtype=dtype)
+    exact = x.float() @ (weight.float() * scale[:, None]).T + bias.float()
+    tolerance = (2e-3 if dtype == torch.float16 else 1e-2) * exact.abs().max()
+    module = _extension._module_for(x.device)
+    for splits in (1, 2, 4, 8):
+        out = torch.empty(num_rows, 384, device="cuda", dtype=dtype)
+        assert module.decode_linear_fp8(out, x, weight, scale, bias, splits)
+        assert (out.float() - exact).abs().max() <= tolerance
+    with torch.inference_mode():
+        graph, replayed = capture(lambda: decode_linear_fp8(x, weight, scale, bias))
+        graph.replay()
+        assert (replayed.float() - exact).abs().max() <= tolerance
