@@ -46,6 +46,7 @@ _lock = threading.Lock()
 _modules: dict[tuple[int, int], ModuleType | None] = {}
 _warned = False
 _warned_multitoken = False
+_warned_variants = False
 
 
 def extension_name(capability: tuple[int, int]) -> str:
@@ -138,6 +139,19 @@ def _warn_multitoken_once() -> None:
     )
 
 
+def _warn_variants_once() -> None:
+    global _warned_variants
+    if _warned_variants:
+        return
+    _warned_variants = True
+    warnings.warn(
+        "tpkit: paged_attention with window_size, logits_soft_cap or sinks has no CUDA kernel yet; it runs "
+        "the PyTorch implementation on the GPU, which is correct but far slower than the kernel.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
 def _find_module(capability: tuple[int, int]) -> ModuleType | None:
     from torch.utils.cpp_extension import CUDA_HOME
 
@@ -178,6 +192,9 @@ def paged_attention(
     alibi_slopes: torch.Tensor | None,
     query_start_loc: torch.Tensor | None = None,
     causal: bool = True,
+    window_size: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> bool:
     """Runs the CUDA decode-attention kernel into ``out``; False when no kernel is available here.
 
@@ -189,7 +206,13 @@ def paged_attention(
 
     With ``query_start_loc`` (several query tokens a sequence) there is no kernel yet: False, after a
     warning (once) that the PyTorch implementation runs on the GPU instead.
+
+    The kernel computes the plain softmax over all of a sequence's keys: a call with a sliding window, a
+    soft cap or sinks returns False (after a warning, once) and runs the PyTorch implementation.
     """
+    if window_size is not None or logits_soft_cap is not None or sinks is not None:
+        _warn_variants_once()
+        return False
     if query_start_loc is not None:
         _warn_multitoken_once()
         return False

@@ -45,6 +45,9 @@ def _check_paged_attention(
     alibi_slopes: torch.Tensor | None,
     query_start_loc: torch.Tensor | None = None,
     causal: bool = True,
+    window_size: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
     *,
     read_values: bool = False,
 ) -> None:
@@ -84,11 +87,34 @@ def _check_paged_attention(
         _check_tensor(op, "alibi_slopes", alibi_slopes, dim=1, dtypes=(torch.float32,))
         _check_same(op, "alibi_slopes", "shape [num_heads]", [num_heads], list(alibi_slopes.shape))
         tensors["alibi_slopes"] = alibi_slopes
+    _check_variants(window_size, logits_soft_cap)
+    if sinks is not None:
+        _check_tensor(op, "sinks", sinks, dim=1, dtypes=(torch.float32,))
+        _check_same(op, "sinks", "shape [num_heads]", [num_heads], list(sinks.shape))
+        tensors["sinks"] = sinks
     _check_devices(op, "query", query, **tensors)
     if read_values or _contents_free(block_tables):
         _check_table_values(key_cache, block_tables, seq_lens)
     if query_start_loc is not None and (read_values or _contents_free(query_start_loc)):
         _check_query_start_loc_values(query_start_loc, seq_lens, num_rows)
+
+
+def _check_variants(window_size: int | None, logits_soft_cap: float | None) -> None:
+    """``window_size`` an int >= 1, ``logits_soft_cap`` a finite number > 0 (or None): a window of no keys or
+    a cap of 0 has no meaning, and a negative cap would reverse the scores' order."""
+    op = "paged_attention"
+    if window_size is not None:
+        if isinstance(window_size, bool) or not isinstance(window_size, int):
+            raise TypeError(f"{op}: window_size: expected an int or None, got {type(window_size).__name__}")
+        if window_size < 1:
+            raise ValueError(f"{op}: window_size: expected an int >= 1 (the keys a query sees, its own "
+                             f"included), got {window_size}")
+    if logits_soft_cap is not None:
+        if isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap, (int, float)):
+            raise TypeError(f"{op}: logits_soft_cap: expected a float or None, got "
+                            f"{type(logits_soft_cap).__name__}")
+        if not (math.isfinite(logits_soft_cap) and logits_soft_cap > 0):
+            raise ValueError(f"{op}: logits_soft_cap: expected a finite float > 0, got {logits_soft_cap}")
 
 
 def _check_table_values(key_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
@@ -181,7 +207,7 @@ _define_op(
     "paged_attention",
     "(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
     "Tensor seq_lens, float scale, Tensor? alibi_slopes, Tensor? query_start_loc=None, "
-    "bool causal=True) -> ()",
+    "bool causal=True, SymInt? window_size=None, float? logits_soft_cap=None, Tensor? sinks=None) -> ()",
     ("out",),
     _check_paged_attention,
     paged_attention_reference,
@@ -207,6 +233,9 @@ def paged_attention(
     out: torch.Tensor | None = None,
     query_start_loc: torch.Tensor | None = None,
     causal: bool = True,
+    window_size: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of query tokens over their sequences' keys and values in a paged cache.
 
@@ -250,10 +279,15 @@ def paged_attention(
         raise TypeError(f"paged_attention: scale: expected a float or None, got {type(scale).__name__}")
     if not isinstance(causal, bool):
         raise TypeError(f"paged_attention: causal: expected a bool, got {type(causal).__name__}")
+    _check_variants(window_size, logits_soft_cap)
+    if sinks is not None and not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"paged_attention: sinks: expected a torch.Tensor or None, got "
+                        f"{type(sinks).__name__}")
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    cap = None if logits_soft_cap is None else float(logits_soft_cap)
     torch.ops.tpkit.paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, float(scale),
-                                    alibi_slopes, query_start_loc, causal)
+                                    alibi_slopes, query_start_loc, causal, window_size, cap, sinks)
     return out
 
 
