@@ -169,3 +169,80 @@ def test_bad_variant_arguments_of_the_op_itself():
         torch.ops.tpkit.paged_attention(*args, -4, None, None)
     with pytest.raises(ValueError, match="logits_soft_cap: expected a finite float > 0"):
         torch.ops.tpkit.paged_attention(*args, None, float("nan"), None)
+
+
+def _naive_sequence(q, k, v, *, window_size, logits_soft_cap, sinks):
+    """Causal attention of one sequence in float64: q [seq, num_heads, D], k, v [seq, num_kv_heads, D]."""
+    seq, num_heads, head_size = q.shape
+    group = num_heads // k.shape[1]
+    k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    out = torch.empty(seq, num_heads, head_size, dtype=torch.float64)
+    for p in range(seq):
+        first = 0 if window_size is None else max(0, p - window_size + 1)
+        scores = torch.einsum("hd,khd->hk", q[p].double(), k[first:p + 1]) / math.sqrt(head_size)
+        if logits_soft_cap is not None:
+            scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.double()[:, None]], dim=1)
+        probs = torch.softmax(scores, dim=-1)[:, :p + 1 - first]
+        out[p] = torch.einsum("hk,khd->hd", probs, v[first:p + 1])
+    return out
+
+
+@pytest.mark.parametrize("variants", [
+    dict(window_size=4),
+    dict(logits_soft_cap=2.0),
+    dict(sinks=torch.tensor([0.5, -1.0, 2.0, 0.0])),
+    dict(window_size=3, logits_soft_cap=1.5, sinks=torch.tensor([1.0, 0.0, -0.5, 0.3])),
+])
+def test_attention_module_variants_with_and_without_cache(variants):
+    """The module's variants without a cache (SDPA with a mask, or the attention written out) and through
+    the paged cache (a packed prefill, then decode steps) equal the naive loop."""
+    from tpkit.attention import Attention, PagedKVCache
+
+    num_heads, num_kv_heads, head_size, lens, steps = 4, 2, 16, [9, 5], 3
+    gen = torch.Generator().manual_seed(3)
+    total = max(lens) + steps
+    q = torch.randn(2, total, num_heads * head_size, generator=gen)
+    k = torch.randn(2, total, num_kv_heads * head_size, generator=gen)
+    v = torch.randn(2, total, num_kv_heads * head_size, generator=gen)
+    attention = Attention(num_heads, head_size, num_kv_heads, **variants)
+    naive_kwargs = dict(window_size=None, logits_soft_cap=None, sinks=None) | variants
+    expected = [_naive_sequence(q[i].unflatten(-1, (num_heads, head_size)),
+                                k[i].unflatten(-1, (num_kv_heads, head_size)),
+                                v[i].unflatten(-1, (num_kv_heads, head_size)), **naive_kwargs)
+                for i in range(2)]
+    no_cache = attention(q, k, v).unflatten(-1, (num_heads, head_size))
+    for i in range(2):
+        torch.testing.assert_close(no_cache[i].double(), expected[i], atol=1e-5, rtol=1e-5)
+
+    cache = PagedKVCache(1, 16, 4, num_kv_heads, head_size, dtype=torch.float32, device="cpu")
+    metadata = cache.prefill_metadata([0, 1], lens)
+    rows = lambda x: torch.cat([x[i, :n] for i, n in enumerate(lens)])[None]  # noqa: E731
+    out = attention(rows(q), rows(k), rows(v), kv_cache=cache, layer_idx=0, metadata=metadata)
+    out = out[0].unflatten(-1, (num_heads, head_size)).split(lens)
+    for i, n in enumerate(lens):
+        torch.testing.assert_close(out[i].double(), expected[i][:n], atol=1e-5, rtol=1e-5)
+    for step in range(steps):
+        positions = torch.tensor([n + step for n in lens])
+        new = [x[torch.arange(2), positions][:, None] for x in (q, k, v)]  # [2, 1, width] each
+        out = attention(*new, kv_cache=cache, layer_idx=0, metadata=cache.decode_metadata([0, 1]))
+        for i in range(2):
+            torch.testing.assert_close(out[i, 0].unflatten(-1, (num_heads, head_size)).double(),
+                                       expected[i][positions[i]], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(window_size=0), "window_size: expected None or an int >= 1, got 0"),
+    (dict(window_size=4, causal=False), "window_size: expected None for causal=False"),
+    (dict(logits_soft_cap=-3.0), "logits_soft_cap: expected None or a finite number > 0, got -3.0"),
+    (dict(sinks=torch.zeros(3)),
+     r"sinks: expected None or a float32 tensor of shape \[4\] \(num_heads\), got torch.float32 of "
+     r"shape \[3\]"),
+    (dict(sinks=torch.zeros(4, dtype=torch.bfloat16)), "sinks: expected .* got torch.bfloat16"),
+])
+def test_attention_module_bad_variants(kwargs, match):
+    from tpkit.attention import Attention
+
+    with pytest.raises(ValueError, match=match):
+        Attention(4, 16, 2, **kwargs)
