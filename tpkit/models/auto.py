@@ -26,6 +26,8 @@ from tpkit.parallel_layers import TPGroup, get_tp_group, skip_init
 MODEL_CLASSES: dict[str, type[PagedLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
     "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
     "BartForConditionalGeneration": BartForConditionalGeneration,
 }

@@ -47,6 +47,10 @@ def size(limit: int = MAX_SIZE) -> Check:
     return lambda v: None if _is_int(v) and 1 <= v <= limit else f"expected an int in [1, {limit}]"
 
 
+def count(v: Any) -> str | None:
+    return None if _is_int(v) and 0 <= v <= MAX_SIZE else f"expected an int in [0, {MAX_SIZE}]"
+
+
 def fraction(v: Any) -> str | None:
     return None if _is_number(v) and 0 <= v < 1 else "expected a probability in [0, 1)"
 
@@ -82,6 +86,8 @@ LLAMA: Schema = (
     ("head_dim", False, size()), ("rms_norm_eps", False, positive), ("attention_dropout", False, fraction),
     ("tie_word_embeddings", False, flag), ("attention_bias", False, flag), ("mlp_bias", False, flag),
     ("hidden_act", False, activation), ("eos_token_id", False, token_ids),
+    ("sliding_window", False, size()), ("use_sliding_window", False, flag),
+    ("max_window_layers", False, count),
 )
 GPT_BIGCODE: Schema = (
     ("vocab_size", True, size()), ("n_embd", True, size()), ("n_layer", True, size(MAX_LAYERS)),
