@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from tpkit.loaders import CheckpointError, checkpoint_file, iter_weights, resolve_checkpoint
 from tpkit.models.bart import BartForConditionalGeneration
+from tpkit.models.gemma import GemmaForCausalLM
 from tpkit.models.generation import PagedLM
 from tpkit.models.gpt_bigcode import GPTBigCodeForCausalLM
 from tpkit.models.llama import LlamaForCausalLM
@@ -28,6 +29,8 @@ MODEL_CLASSES: dict[str, type[PagedLM]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
     "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
     "BartForConditionalGeneration": BartForConditionalGeneration,
 }
