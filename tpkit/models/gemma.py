@@ -10,8 +10,8 @@ Gemma's differences around them.
   (``attn_logit_softcapping``), Gemma 3 norms q and k per head and gives each layer type its own RoPE
   (``rope_local_base_freq`` for the local layers);
 - the MLP's gate goes through tanh GELU (``hidden_activation``); the LM head is tied to the embeddings and
-  Gemma 2 soft-caps its logits (``final_logit_softcapping``): ``model(input_ids)`` and generation see the
-  capped logits.
+  Gemma 2 soft-caps its logits (``final_logit_softcapping``, the head's ``logits_soft_cap``: the logits of
+  ``model(input_ids)``, of generation and of ``lm_head.cross_entropy`` alike).
 """
 
 from __future__ import annotations
@@ -98,11 +98,12 @@ class GemmaForCausalLM(PagedDecoderOnlyLM):
                             unit_offset=True)
         if sequence_parallel:
             mark_norms(self, RMSNorm, exclude=head_norms(self))
-        self.lm_head = ParallelLMHead(vocab_size, hidden_size, **factory)
+        self.final_logit_softcapping = config.get("final_logit_softcapping")
+        self.lm_head = ParallelLMHead(vocab_size, hidden_size, logits_soft_cap=self.final_logit_softcapping,
+                                      **factory)
         self.tie_word_embeddings = config.get("tie_word_embeddings", True)
         if self.tie_word_embeddings:
             self.lm_head.tie_weights(self.embed_tokens)
-        self.final_logit_softcapping = config.get("final_logit_softcapping")
         attention_layer = self.layers[0].self_attn
         self.tp_group = self.embed_tokens.tp_group
         self.num_layers = len(self.layers)
@@ -132,9 +133,7 @@ class GemmaForCausalLM(PagedDecoderOnlyLM):
         return exit_sequence_parallel(x, self.tp_group) if self.sequence_parallel else x
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head.compute_logits(hidden_states)
-        cap = self.final_logit_softcapping
-        return logits if cap is None else cap * torch.tanh(logits / cap)
+        return self.lm_head.compute_logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
         """Load HuggingFace ``(name, tensor)`` pairs (``model.`` prefix); returns the parameters loaded."""
