@@ -96,7 +96,7 @@ def test_layer_windows_and_attention_settings(checkpoint):
                        "gemma3": local_global, "qwen3": [None] * 2}
     gemma2 = from_pretrained(checkpoint("gemma2")[0])
     attn = gemma2.layers[0].self_attn.attn
-    assert attn.logits_soft_cap == 3.0 and attn.scale == 24 ** -0.5 and gemma2.final_logit_softcapping == 5.0
+    assert attn.logits_soft_cap == 3.0 and attn.scale == 24 ** -0.5 and gemma2.lm_head.logits_soft_cap == 5.0
 
 
 @pytest.mark.parametrize("config, match", [

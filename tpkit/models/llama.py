@@ -36,10 +36,17 @@ from tpkit.models.config_checks import LLAMA, check_config
 from tpkit.models.dropout import attend
 from tpkit.models.fused_decode import fused_decode_applies, fused_decode_step
 from tpkit.models.generation import PagedDecoderOnlyLM
-from tpkit.models.layer_types import family, window_sizes
+from tpkit.models.layer_types import (
+    FULL,
+    SLIDING,
+    family,
+    layer_types,
+    rope_parameters_by_type,
+    window_sizes,
+)
 from tpkit.models.prompts import parse_eos_token_ids
 from tpkit.models.sequence_parallel import check_sequence_parallel, exit_sequence_parallel, mark_norms
-from tpkit.ops import RMSNorm, RotaryEmbedding, apply_rotary, decode_linear, rope_parameters, silu_and_mul
+from tpkit.ops import RMSNorm, RotaryEmbedding, apply_rotary, decode_linear, silu_and_mul
 from tpkit.parallel_layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -139,7 +146,9 @@ class LlamaForCausalLM(PagedDecoderOnlyLM):
     """Llama / Qwen2 / Qwen3 / Mistral from a HuggingFace config.json dict, this rank's shard of it.
 
     Parameters are randomly initialised; :meth:`load_weights` (or :func:`tpkit.models.from_pretrained`)
-    loads a HuggingFace checkpoint.
+    loads a HuggingFace checkpoint. A family with other layers around the same attention and MLP (Gemma,
+    :mod:`tpkit.models.gemma`) subclasses it: its config schema, layer class, norms and attention settings
+    are the class attributes and :meth:`_attention_settings` below.
     """
 
     # Decode steps on the fused kernels (tpkit.models.fused_decode): None (the default) where tpkit's decode
@@ -147,6 +156,10 @@ class LlamaForCausalLM(PagedDecoderOnlyLM):
     # PyTorch expressions where the kernels do not run), False never (every step through the layers, which
     # is what a model whose layers get another product through set_linear_op wants).
     fused_decode: bool | None = None
+    config_schema = LLAMA
+    layer_class: type[nn.Module] = LlamaDecoderLayer
+    norm_unit_offset = False  # Gemma's norms scale by 1 + weight
+    tie_word_embeddings_default = False
 
     # (param_name, checkpoint_name, loaded_shard_id): checkpoint tensors that land in one stacked parameter.
     stacked_params_mapping = (
@@ -161,18 +174,13 @@ class LlamaForCausalLM(PagedDecoderOnlyLM):
                  device: torch.device | str | None = None, tp_group: Any = None,
                  sequence_parallel: bool = False) -> None:
         super().__init__()
-        check_config("LlamaForCausalLM", config, LLAMA, dtype=dtype, device=device, tp_group=tp_group,
-                     sequence_parallel=sequence_parallel)
-        kind = family(config)
-        windows = window_sizes(config)
+        check_config(type(self).__name__, config, self.config_schema, dtype=dtype, device=device,
+                     tp_group=tp_group, sequence_parallel=sequence_parallel)
+        self.layer_types, windows = layer_types(config), window_sizes(config)
         dtype = dtype or torch.get_default_dtype()
         factory = {"params_dtype": dtype, "device": device, "tp_group": tp_group}
         hidden_size, vocab_size = config["hidden_size"], config["vocab_size"]
-        # Qwen2 biases q, k and v only; Llama's (and Qwen3's) attention_bias biases o_proj as well.
-        attention_bias = config.get("attention_bias", False)
-        is_qwen2 = kind == "qwen2"
-        attention = dict(qkv_bias=attention_bias or is_qwen2, o_bias=attention_bias and not is_qwen2,
-                         qk_norm=kind == "qwen3")
+        eps = config.get("rms_norm_eps", 1e-6)
 
         self.config = dict(config)
         self.vocab_size = vocab_size
@@ -180,28 +188,47 @@ class LlamaForCausalLM(PagedDecoderOnlyLM):
         self.eos_token_ids = parse_eos_token_ids(config.get("eos_token_id"))
         self.embed_tokens = VocabParallelEmbedding(vocab_size, hidden_size,
                                                    sequence_parallel=sequence_parallel, **factory)
+        self.embed_scale = self._embed_scale(config, dtype)
         self.sequence_parallel = sequence_parallel
         layer_factory = {**factory, "sequence_parallel": sequence_parallel}
+        attention = self._attention_settings(config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, factory=layer_factory, window_size=windows[i], **attention)
+            self.layer_class(config, i, factory=layer_factory, window_size=windows[i], **attention)
             for i in range(config["num_hidden_layers"])
         )
-        self.norm = RMSNorm(hidden_size, config.get("rms_norm_eps", 1e-6), dtype=dtype, device=device)
+        self.norm = RMSNorm(hidden_size, eps, dtype=dtype, device=device, unit_offset=self.norm_unit_offset)
         if sequence_parallel:
             mark_norms(self, RMSNorm, exclude=head_norms(self))
-        self.lm_head = ParallelLMHead(vocab_size, hidden_size, **factory)
-        self.tie_word_embeddings = config.get("tie_word_embeddings", False)
+        cap = config.get("final_logit_softcapping")  # Gemma 2's
+        self.lm_head = ParallelLMHead(vocab_size, hidden_size, logits_soft_cap=cap, **factory)
+        self.tie_word_embeddings = config.get("tie_word_embeddings", self.tie_word_embeddings_default)
         if self.tie_word_embeddings:
             self.lm_head.tie_weights(self.embed_tokens)
-        attention = self.layers[0].self_attn
+        attention_layer = self.layers[0].self_attn
         self.tp_group = self.embed_tokens.tp_group
         self.num_layers = len(self.layers)
-        self.num_heads, self.num_kv_heads = attention.num_heads, attention.num_kv_heads
-        self.head_size = attention.head_size
-        self.rotary_emb = RotaryEmbedding(self.head_size, self.max_positions, rope_parameters(config),
-                                          device=device)
+        self.num_heads, self.num_kv_heads = attention_layer.num_heads, attention_layer.num_kv_heads
+        self.head_size = attention_layer.head_size
+        rope = rope_parameters_by_type(config)
+        self.rotary_emb = RotaryEmbedding(self.head_size, self.max_positions, rope[FULL], device=device)
+        # The sliding layers' own table where their settings differ (Gemma 3's local base), else None.
+        self.local_rotary_emb = None
+        if rope[SLIDING] != rope[FULL]:
+            self.local_rotary_emb = RotaryEmbedding(self.head_size, self.max_positions, rope[SLIDING],
+                                                    device=device)
         # A decode step's products (a few rows each) run tpkit's decode kernel on the GPU, F.linear elsewhere.
         set_linear_op(self, decode_linear)
+
+    def _attention_settings(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        """The keyword arguments of every layer's :class:`LlamaAttention` (its window aside)."""
+        kind = family(config)
+        # Qwen2 biases q, k and v only; Llama's (and Qwen3's) attention_bias biases o_proj as well.
+        bias, is_qwen2 = config.get("attention_bias", False), kind == "qwen2"
+        return dict(qkv_bias=bias or is_qwen2, o_bias=bias and not is_qwen2, qk_norm=kind == "qwen3")
+
+    def _embed_scale(self, config: Mapping[str, Any], dtype: torch.dtype) -> float | None:
+        """What the embeddings are multiplied by (None: nothing)."""
+        return None
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       kv_cache: PagedKVCache | None = None,
@@ -209,11 +236,16 @@ class LlamaForCausalLM(PagedDecoderOnlyLM):
         if self.sequence_parallel:
             check_sequence_parallel(input_ids, self.tp_group, kv_cache is not None)
         x = self.embed_tokens(input_ids)  # [batch, seq, hidden]; sequence-parallel [batch, seq / tp, hidden]
-        cos, sin = self.rotary_emb.cos_sin(positions, x.dtype)  # every position's, for q and k of every token
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        # Every position's cos and sin, for q and k of every token (Gemma 3's local layers: their own).
+        rotations = {FULL: self.rotary_emb.cos_sin(positions, x.dtype)}
+        rotations[SLIDING] = (rotations[FULL] if self.local_rotary_emb is None
+                              else self.local_rotary_emb.cos_sin(positions, x.dtype))
         if fused_decode_applies(self, x, kv_cache, metadata):
-            return fused_decode_step(self, x, cos, sin, kv_cache, metadata)
-        for layer in self.layers:
-            x = layer(x, cos, sin, kv_cache, metadata)
+            return fused_decode_step(self, x, *rotations[FULL], kv_cache, metadata)
+        for layer, layer_type in zip(self.layers, self.layer_types, strict=True):
+            x = layer(x, *rotations[layer_type], kv_cache, metadata)
         x = self.norm(x)
         return exit_sequence_parallel(x, self.tp_group) if self.sequence_parallel else x
 
@@ -225,7 +257,6 @@ class LlamaForCausalLM(PagedDecoderOnlyLM):
         # Old checkpoints saved the rotary inverse frequencies; they are recomputed here.
         return load_weights(self, weights, self.stacked_params_mapping,
                             rename=lambda name: name.removeprefix("model."), ignore="rotary_emb.inv_freq")
-
 
 
 def head_norms(model: nn.Module) -> list[nn.Module]:
