@@ -115,3 +115,25 @@ def test_bad_family_configs(config, match):
     base = {k: v for k, v in SMALL.items() if k not in ("initializer_range", "bos_token_id", "pad_token_id")}
     with pytest.raises(ValueError, match=match):
         LlamaForCausalLM({**base, "architectures": ["MistralForCausalLM"], "model_type": "mistral", **config})
+
+
+@pytest.mark.parametrize("name", ["mistral", "qwen3"])
+def test_fused_decode_forced_keeps_the_tokens(checkpoint, name):
+    """``fused_decode = True`` (the fused decode step's PyTorch expressions on the CPU) keeps Mistral's
+    window; Qwen3, whose q/k norms the fused step has not, stays on the layers' forward."""
+    from tpkit.models import from_pretrained
+
+    path, _, refs = checkpoint(name)
+    model = from_pretrained(path)
+    model.fused_decode = True
+    assert model.generate(refs["prompts"], MAX_NEW_TOKENS, ignore_eos=True) == refs["ref_tokens"]
+
+
+def test_bad_gemma_config():
+    from tpkit.models import GemmaForCausalLM
+
+    config = {**GEMMA, "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
+              "query_pre_attn_scalar": 0, "final_logit_softcapping": -1.0}
+    with pytest.raises(ValueError, match=r"query_pre_attn_scalar: expected a finite number > 0, got 0; "
+                                         r"final_logit_softcapping: expected a finite number > 0, got -1.0"):
+        GemmaForCausalLM(config)
