@@ -113,8 +113,11 @@ def test_sinks_nan_propagates():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_variants_on_gpu_in_cuda_graph():
-    """On a GPU the variants run the PyTorch implementation, inside a captured graph too."""
+def test_variants_on_gpu_in_cuda_graph(monkeypatch):
+    """On a GPU the variants run the PyTorch implementation (warning once), inside a captured graph too."""
+    from tpkit.ops import _extension
+
+    monkeypatch.setattr(_extension, "_warned_variants", False)
     case = make_multitoken_case(num_heads=4, num_kv_heads=2, head_size=64, block_size=16, seq_lens=[40, 7],
                                 query_lens=[3, 7], dtype=torch.bfloat16)
     cuda = {k: v.cuda() for k, v in case.items() if isinstance(v, torch.Tensor)}

@@ -117,6 +117,21 @@ def test_bad_family_configs(config, match):
         LlamaForCausalLM({**base, "architectures": ["MistralForCausalLM"], "model_type": "mistral", **config})
 
 
+@pytest.mark.parametrize("name", ["mistral", "gemma3"])
+def test_chunked_prefill_and_prefix_cache_keep_the_window(checkpoint, name):
+    """Prompts prefilled in chunks of 5 tokens (a window spanning chunks and cached tokens), then again with
+    their first blocks of 4 from the prefix cache: transformers' tokens both times."""
+    from tpkit.models import from_pretrained
+
+    path, _, refs = checkpoint(name)
+    model = from_pretrained(path)
+    model.kv_block_size = 4
+    for _ in range(2):
+        tokens = model.generate(refs["prompts"], MAX_NEW_TOKENS, ignore_eos=True, max_prefill_tokens=5,
+                                prefix_caching=True)
+        assert tokens == refs["ref_tokens"]
+
+
 @pytest.mark.parametrize("name", ["mistral", "qwen3"])
 def test_fused_decode_forced_keeps_the_tokens(checkpoint, name):
     """``fused_decode = True`` (the fused decode step's PyTorch expressions on the CPU) keeps Mistral's
