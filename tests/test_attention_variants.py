@@ -28,24 +28,23 @@ def naive_variants(query, key_cache, value_cache, block_tables, seq_lens, query_
     out = torch.zeros(num_rows, num_heads, head_size, dtype=torch.float64)
     for i in range(len(seq_lens)):
         seq_len, q_len = int(seq_lens[i]), starts[i + 1] - starts[i]
-        positions = torch.arange(seq_len)
-        blocks = block_tables[i].long()[positions // block_size]
-        keys = key_cache[blocks, positions % block_size].double()[:, kv_head]  # [seq_len, num_heads, D]
-        values = value_cache[blocks, positions % block_size].double()[:, kv_head]
         for j in range(q_len):
             query_pos = seq_len - q_len + j
             last = query_pos + 1 if causal and query_start_loc is not None else seq_len
             first = 0 if window_size is None else max(0, query_pos - window_size + 1)
-            scores = torch.einsum("hd,khd->hk", query[starts[i] + j].double(), keys[first:last]) * scale
+            positions = torch.arange(first, last)  # the keys this query sees, and only those are read
+            blocks = block_tables[i].long()[positions // block_size]
+            keys = key_cache[blocks, positions % block_size].double()[:, kv_head]  # [keys, num_heads, D]
+            values = value_cache[blocks, positions % block_size].double()[:, kv_head]
+            scores = torch.einsum("hd,khd->hk", query[starts[i] + j].double(), keys) * scale
             if logits_soft_cap is not None:
                 scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
             if alibi_slopes is not None:
-                distance = (torch.arange(first, last) - query_pos).double()
-                scores = scores + alibi_slopes.double()[:, None] * distance
+                scores = scores + alibi_slopes.double()[:, None] * (positions - query_pos).double()
             if sinks is not None:
                 scores = torch.cat([scores, sinks.double()[:, None]], dim=1)
             probs = torch.softmax(scores, dim=-1)[:, :last - first]  # a sink's weight has no value
-            out[starts[i] + j] = torch.einsum("hk,khd->hd", probs, values[first:last])
+            out[starts[i] + j] = torch.einsum("hk,khd->hd", probs, values)
     return out
 
 
@@ -70,7 +69,16 @@ def _draw(rng: random.Random, seed: int) -> tuple[dict, dict]:
         gen = torch.Generator().manual_seed(seed)
         variants["sinks"] = torch.randn(num_heads, generator=gen) if rng.random() < 0.5 else None
         if any(variants[k] is not None for k in ("window_size", "logits_soft_cap", "sinks")):
-            return case, variants
+            break
+    if variants["window_size"] is not None:
+        # Table entries of blocks wholly before every query's window are never read: garbage there.
+        starts = (case["query_start_loc"] if case["query_start_loc"] is not None
+                  else torch.arange(len(seq_lens) + 1)).tolist()
+        block_size = common["block_size"]
+        for i, seq_len in enumerate(seq_lens):
+            first = seq_len - (starts[i + 1] - starts[i]) - variants["window_size"] + 1
+            case["block_tables"][i, :max(0, first) // block_size] = -(10**6)
+    return case, variants
 
 
 @pytest.mark.parametrize("seed", range(24))
@@ -90,7 +98,8 @@ def test_variants_match_naive_loop(seed):
 
 def test_window_reads_only_the_window():
     """A decode query with a window of 3 over 20 keys: the keys before the window are never read (NaN
-    there changes nothing), and the window changes the result (against no window)."""
+    there changes nothing), nor the table entries of blocks before it (garbage there is no error), and the
+    window changes the result (against no window)."""
     case = make_case(num_heads=2, num_kv_heads=1, head_size=16, block_size=4, seq_lens=[20],
                      dtype=torch.float32)
     args = (case["query"], case["key_cache"], case["value_cache"], case["block_tables"], case["seq_lens"])
@@ -100,6 +109,10 @@ def test_window_reads_only_the_window():
     block = int(case["block_tables"][0, 0])
     case["key_cache"][block] = float("nan")  # positions 0..3, all outside the window 17..19
     assert torch.equal(paged_attention(*args, window_size=3), windowed)
+    case["block_tables"][0, :4] = -7  # positions 0..15
+    assert torch.equal(paged_attention(*args, window_size=3), windowed)
+    with pytest.raises(ValueError, match=r"block_tables\[0, 0\]: expected a block index"):
+        paged_attention(*args)  # without the window it reads them
 
 
 def test_sinks_nan_propagates():

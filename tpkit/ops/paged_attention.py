@@ -94,7 +94,15 @@ def _check_paged_attention(
         tensors["sinks"] = sinks
     _check_devices(op, "query", query, **tensors)
     if read_values or _contents_free(block_tables):
-        _check_table_values(key_cache, block_tables, seq_lens)
+        first_needed = None
+        if window_size is not None:
+            # The first cache position any query of the sequence sees: its first query's window start.
+            if query_start_loc is None:
+                query_lens = torch.ones_like(seq_lens)
+            else:
+                query_lens = query_start_loc[1:] - query_start_loc[:-1]
+            first_needed = seq_lens.long() - query_lens.long() - (window_size - 1)
+        _check_table_values(key_cache, block_tables, seq_lens, first_needed)
     if query_start_loc is not None and (read_values or _contents_free(query_start_loc)):
         _check_query_start_loc_values(query_start_loc, seq_lens, num_rows)
 
@@ -117,7 +125,10 @@ def _check_variants(window_size: int | None, logits_soft_cap: float | None) -> N
             raise ValueError(f"{op}: logits_soft_cap: expected a finite float > 0, got {logits_soft_cap}")
 
 
-def _check_table_values(key_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
+def _check_table_values(key_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        first_needed: torch.Tensor | None = None) -> None:
+    """Every block a sequence's queries read holds a valid index: those below ``seq_lens`` and, with a
+    window, ending after ``first_needed`` (int64 [num_seqs], the first position any query sees)."""
     num_blocks, block_size = key_cache.shape[:2]
     capacity = block_tables.shape[1] * block_size
     bad_lens = ((seq_lens < 0) | (seq_lens > capacity)).nonzero()
@@ -127,6 +138,8 @@ def _check_table_values(key_cache: torch.Tensor, block_tables: torch.Tensor, seq
                          f"capacity of block_tables), got {int(seq_lens[i])}")
     block_start = torch.arange(block_tables.shape[1], device=block_tables.device) * block_size
     used = block_start[None, :] < seq_lens[:, None].long()  # [num_seqs, max_blocks_per_seq]
+    if first_needed is not None:
+        used &= block_start[None, :] + block_size > first_needed[:, None]
     bad_entries = (used & ((block_tables < 0) | (block_tables >= num_blocks))).nonzero()
     if bad_entries.numel():
         i, j = (int(x) for x in bad_entries[0])

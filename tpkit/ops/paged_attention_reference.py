@@ -152,6 +152,8 @@ def _attend_chunk(
         num_tokens = (b1 - b0) * block_size
         block_start = torch.arange(b0, b1, device=device) * block_size  # [B]
         used = block_start[None, :] < key_lens[:, None]  # [R, B]
+        if first_key is not None:  # blocks wholly before the window are not the row's
+            used &= block_start[None, :] + block_size > first_key[:, None]
         # Table entries past a row's used blocks may be garbage: point them at block 0, whose contents are
         # masked out below.
         table = torch.where(used, block_tables[:, b0:b1].long(), 0)  # [R, B]
