@@ -16,7 +16,8 @@ class Attention(nn.Module):
     """Multi-head attention over already projected queries, keys and values, for one rank's heads.
 
     Inputs are ``[batch, seq, heads * head_size]``. Query head ``h`` reads KV head
-    ``h // (num_heads // num_kv_heads)`` (MHA, GQA, MQA). The module has no parameters.
+    ``h // (num_heads // num_kv_heads)`` (MHA, GQA, MQA). The module has no parameters of its own (``sinks``
+    given as a Parameter is one).
 
     - ``kv_cache=None``: plain SDPA over the inputs, right-padded for ragged batches (causal, or masked by
       ``key_lens``). Outputs at padded query positions are finite but meaningless.
