@@ -3,6 +3,7 @@
     PYTHONPATH=. python benchmarks/bench_latency.py            # one GPU: the shapes below, bf16 (minutes)
     PYTHONPATH=. python benchmarks/bench_latency.py --small    # tiny shapes on the CPU, under a minute
     PYTHONPATH=. python benchmarks/bench_latency.py --quantization fp8  # tpkit's Llama with float8 weights
+    PYTHONPATH=. python benchmarks/bench_latency.py --model gemma-2-9b --skip kv_blocks,bart  # one family
 
 ``--quantization fp8`` gives tpkit's Llama float8 weights (its random weights quantized per channel; the
 decode steps' products on tpkit's decode kernel reading float8, the prefill's on float8 tensor cores) and
@@ -10,7 +11,9 @@ decode steps' products on tpkit's decode kernel reading float8, the prefill's on
 
 Three parts, each reported even when another fails:
 
-1. Llama-3-8B shapes (32 layers, hidden 4096, 32 heads, 8 KV heads, MLP 14336, vocab 128256), random bf16
+1. Llama-3-8B shapes (32 layers, hidden 4096, 32 heads, 8 KV heads, MLP 14336, vocab 128256), or with
+   ``--model`` another family's (``qwen3-8b``, ``mistral-7b`` with its 4096-token window, ``gemma-2-9b``
+   with its soft caps and local layers), random bf16
    weights, batch 8, 128 prompt tokens, 128 new tokens (EOS ignored), greedy; average latency of 3 runs
    after a warm-up: tpkit eager, tpkit with the decode step replayed from a CUDA graph (and with the step
    also through ``torch.compile``), transformers ``generate`` with its default dynamic cache and with
@@ -45,7 +48,7 @@ from bench_paged_attention import _copy_bandwidth_gbps
 from torch import nn
 
 from tpkit.attention import PagedKVCache
-from tpkit.models import BartForConditionalGeneration, GPTBigCodeForCausalLM, LlamaForCausalLM
+from tpkit.models import BartForConditionalGeneration, GPTBigCodeForCausalLM, model_class
 from tpkit.ops import decode_linear_fp8
 from tpkit.parallel_layers import Fp8LinearMethod, QKVCrossParallelLinear, QKVParallelLinear
 
@@ -68,9 +71,34 @@ BART_LARGE = {
     "max_position_embeddings": 1024, "activation_function": "gelu", "scale_embedding": False,
     "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2, "decoder_start_token_id": 2,
 }
-SMALL_LLAMA = LLAMA3_8B | {"vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512,
-                           "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
-                           "max_position_embeddings": 512, "bos_token_id": 1, "eos_token_id": 2}
+QWEN3_8B = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096,
+    "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "hidden_act": "silu", "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645,
+}
+MISTRAL_7B = {  # v0.1, the release with a sliding window
+    "architectures": ["MistralForCausalLM"], "model_type": "mistral", "vocab_size": 32000,
+    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "max_position_embeddings": 32768, "sliding_window": 4096,
+    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False,
+    "bos_token_id": 1, "eos_token_id": 2,
+}
+GEMMA2_9B = {
+    "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "vocab_size": 256000, "hidden_size": 3584,
+    "intermediate_size": 14336, "num_hidden_layers": 42, "num_attention_heads": 16, "num_key_value_heads": 8,
+    "head_dim": 256, "max_position_embeddings": 8192, "sliding_window": 4096, "query_pre_attn_scalar": 256,
+    "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "hidden_activation": "gelu_pytorch_tanh",
+    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": True, "bos_token_id": 2,
+    "eos_token_id": 1, "pad_token_id": 0,
+}
+MODELS = {"llama-3-8b": ("Llama-3-8B", LLAMA3_8B), "qwen3-8b": ("Qwen3-8B", QWEN3_8B),
+          "mistral-7b": ("Mistral-7B", MISTRAL_7B), "gemma-2-9b": ("Gemma-2-9B", GEMMA2_9B)}
+# --small: each family's config at tiny sizes (its window, 8 tokens, shorter than the 16-token prompts).
+SMALL_SIZES = {"vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+               "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32,
+               "max_position_embeddings": 512, "bos_token_id": 1, "eos_token_id": 2}
+SMALL_LLAMA = LLAMA3_8B | SMALL_SIZES
 SMALL_BART = BART_LARGE | {"vocab_size": 1000, "d_model": 128, "encoder_layers": 2, "decoder_layers": 2,
                            "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 256,
                            "decoder_ffn_dim": 256}
@@ -81,11 +109,13 @@ ACTIVATION_RESERVE_BYTES = 2 * 2**30  # activations and workspaces of a forward,
 class Setup:
     """Sizes and device of one run: the real shapes on a GPU, or ``--small`` ones on the CPU."""
 
-    def __init__(self, small: bool) -> None:
+    def __init__(self, small: bool, model: str = "llama-3-8b") -> None:
         self.small = small
         self.device = torch.device("cpu") if small else torch.device("cuda", torch.cuda.current_device())
         self.dtype = torch.float32 if small else torch.bfloat16
-        self.llama = SMALL_LLAMA if small else LLAMA3_8B
+        self.model_name, config = MODELS[model]
+        windowed = {"sliding_window": 8} if config.get("sliding_window") else {}
+        self.model_config = config | SMALL_SIZES | windowed if small else config
         self.batch, self.input_len, self.output_len = (4, 16, 16) if small else (8, 128, 128)
         self.bart = SMALL_BART if small else BART_LARGE
         self.bart_batch, self.bart_new_tokens = (4, 8) if small else (12, 32)
@@ -131,7 +161,7 @@ def _free_memory(setup: Setup) -> None:
 # 1. Llama-3-8B latency ----------------------------------------------------------------------------------
 def llama_latency(setup: Setup, args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
-    config = dict(setup.llama)
+    config = dict(setup.model_config)
     prompts = torch.randint(0, config["vocab_size"], (setup.batch, setup.input_len)).tolist()
     # One model on the device at a time: each part's model is gone when its function returns.
     result = tpkit_latency(setup, args, config, prompts)
@@ -144,7 +174,8 @@ def llama_latency(setup: Setup, args: argparse.Namespace) -> dict:
 def tpkit_latency(setup: Setup, args: argparse.Namespace, config: dict, prompts: list[list[int]]) -> dict:
     quant_method = (Fp8LinearMethod("channel", decode_op=decode_linear_fp8) if args.quantization == "fp8"
                     else None)
-    model = LlamaForCausalLM(config, dtype=setup.dtype, device=setup.device, quant_method=quant_method).eval()
+    model = model_class(config)(config, dtype=setup.dtype, device=setup.device,
+                                quant_method=quant_method).eval()
     model.kv_cache_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else None
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bandwidth = copy_bandwidth(setup)
@@ -173,13 +204,13 @@ def transformers_latency(setup: Setup, config: dict, prompts: list[list[int]]) -
         import transformers
     except ImportError:
         return [{"impl": "transformers", "error": "transformers is not installed"}]
-    hf_config = transformers.LlamaConfig(**{k: v for k, v in config.items()
-                                            if k not in ("architectures", "model_type")})
+    hf_config = transformers.AutoConfig.for_model(config["model_type"], **{
+        k: v for k, v in config.items() if k not in ("architectures", "model_type")})
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(setup.dtype)
     try:
         with torch.device(setup.device):
-            hf_model = transformers.LlamaForCausalLM(hf_config).eval()
+            hf_model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
     finally:
         torch.set_default_dtype(default_dtype)
     input_ids = torch.tensor(prompts, device=setup.device)
@@ -321,7 +352,7 @@ def _section(name: str, fn: Callable[[], dict]) -> dict:
 
 
 def print_report(setup: Setup, results: dict) -> None:
-    shapes = "tiny shapes (--small)" if setup.small else "Llama-3-8B shapes"
+    shapes = f"{setup.model_name}, tiny shapes (--small)" if setup.small else f"{setup.model_name} shapes"
     latency = results["llama"]
     print(f"\n# End-to-end latency: {shapes}, {setup.dtype}, batch {setup.batch}, input {setup.input_len}, "
           f"output {setup.output_len}, greedy, average of {setup.iterations} runs after {setup.warmup} "
@@ -333,9 +364,11 @@ def print_report(setup: Setup, results: dict) -> None:
         static = rows.get("transformers generate, static cache", {}).get("avg_s")
         dynamic = rows.get("transformers generate, dynamic cache", {}).get("avg_s")
         floor = latency["floor_s"]
+        is_llama = setup.model_name == "Llama-3-8B"
+        baseline = f" (baseline on an H200: {BASELINE['floor_s']} s)" if is_llama else ""
         print(f"floor: {latency['weight_bytes'] / 1e9:.2f} GB of weights per step at "
-              f"{latency['copy_GBps']:.0f} GB/s copy bandwidth x {setup.output_len} steps = {floor:.3f} s "
-              f"(baseline on an H200: {BASELINE['floor_s']} s)")
+              f"{latency['copy_GBps']:.0f} GB/s copy bandwidth x {setup.output_len} steps = {floor:.3f} s"
+              f"{baseline}")
         print(f"| {'implementation':<38} | {'avg s':>8} | {'tok/s':>8} | {'/ floor':>7} | "
               f"{'HF static / x':>13} | {'HF dynamic / x':>14} | same tokens as eager |")
         print(f"|{'-' * 40}|{'-' * 10}|{'-' * 10}|{'-' * 9}|{'-' * 15}|{'-' * 16}|{'-' * 22}|")
@@ -350,7 +383,7 @@ def print_report(setup: Setup, results: dict) -> None:
             same = f"{row['same_tokens_as_eager']:.0%}" if "same_tokens_as_eager" in row else "-"
             print(f"| {row['impl']:<38} | {avg:>8.3f} | {tokens_per_s:>8.0f} | {avg / floor:>6.2f}x | "
                   f"{vs_static:>13} | {vs_dynamic:>14} | {same:>20} |")
-        if not setup.small:
+        if not setup.small and setup.model_name == "Llama-3-8B":
             measured = BASELINE["measured"]
             peers = ", ".join(f"{row['implementation']} {row['avg_s']:.2f} s" for row in BASELINE["rows"])
             print(f"baseline ({measured['gpu']}, torch {measured['torch']}, {measured['date']}): {peers}; "
@@ -399,6 +432,8 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="tiny shapes on the CPU (a check, < 1 minute)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant")
+    parser.add_argument("--model", choices=MODELS, default="llama-3-8b",
+                        help="the family whose shapes part 1 runs (default llama-3-8b)")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: llama, kv_blocks, bart")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="directory for the JSON")
     parser.add_argument("--quantization", choices=["none", "fp8"], default="none",
@@ -408,7 +443,7 @@ def main() -> None:
     args = parser.parse_args()
     if not args.small and not torch.cuda.is_available():
         parser.error("no GPU visible: run with --small for the CPU check")
-    setup = Setup(args.small)
+    setup = Setup(args.small, args.model)
     if args.small:
         # One thread: OpenMP threads spinning on a busy 2-core CI machine make timings swing 100x.
         torch.set_num_threads(1)
@@ -425,9 +460,11 @@ def main() -> None:
     meta = {"device": device_name or "cpu", "torch": torch.__version__, "python": platform.python_version(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "small": setup.small,
             "command": "python benchmarks/bench_latency.py" + (" --small" if setup.small else "")
+            + f" --model {args.model}"
             + (" --quantization fp8" if args.quantization == "fp8" else "")
             + (" --kv-cache-dtype fp8" if args.kv_cache_dtype == "fp8" else ""),
-            "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype}
+            "model": setup.model_name, "quantization": args.quantization,
+            "kv_cache_dtype": args.kv_cache_dtype}
     try:
         import transformers
 
@@ -436,7 +473,8 @@ def main() -> None:
         meta["transformers"] = None
     print_report(setup, results)
     args.out.mkdir(parents=True, exist_ok=True)
-    file = args.out / f"latency_{'small_cpu' if setup.small else 'gpu'}.json"
+    suffix = "" if args.model == "llama-3-8b" else f"_{args.model}"
+    file = args.out / f"latency_{'small_cpu' if setup.small else 'gpu'}{suffix}.json"
     file.write_text(json.dumps({"meta": meta, **results}, indent=1, default=str) + "\n")
     print(f"\nwrote {file}")
 

@@ -284,8 +284,9 @@ def test_from_pretrained_unknown_architecture_lists_the_supported(checkpoint, tm
     config = json.loads((copy / "config.json").read_text())
     (copy / "config.json").write_text(json.dumps({**config, "architectures": ["MambaForCausalLM"]}))
     with pytest.raises(ValueError, match=r"\['MambaForCausalLM'\] has no supported architecture; supported: "
-                                         r"LlamaForCausalLM, Qwen2ForCausalLM, GPTBigCodeForCausalLM, "
-                                         r"BartForConditionalGeneration"):
+                                         r"LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+                                         r"MistralForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, "
+                                         r"GPTBigCodeForCausalLM, BartForConditionalGeneration"):
         from_pretrained(copy, tp_group=SINGLE, device="cpu")
 
 

@@ -109,5 +109,6 @@ def test_llama3_inverse_frequencies_match_transformers():
 def test_unsupported_rope_type_is_a_clear_error():
     from tpkit.ops import inverse_frequencies
 
-    with pytest.raises(ValueError, match="'yarn' is not supported; supported: default, linear, llama3"):
-        inverse_frequencies(16, {"rope_type": "yarn", "rope_theta": 10000.0})
+    supported = "default, linear, llama3, dynamic, yarn, longrope"
+    with pytest.raises(ValueError, match=f"'proportional' is not supported; supported: {supported}"):
+        inverse_frequencies(16, {"rope_type": "proportional", "rope_theta": 10000.0})

@@ -16,7 +16,8 @@ class Attention(nn.Module):
     """Multi-head attention over already projected queries, keys and values, for one rank's heads.
 
     Inputs are ``[batch, seq, heads * head_size]``. Query head ``h`` reads KV head
-    ``h // (num_heads // num_kv_heads)`` (MHA, GQA, MQA). The module has no parameters.
+    ``h // (num_heads // num_kv_heads)`` (MHA, GQA, MQA). The module has no parameters of its own (``sinks``
+    given as a Parameter is one).
 
     - ``kv_cache=None``: plain SDPA over the inputs, right-padded for ragged batches (causal, or masked by
       ``key_lens``). Outputs at padded query positions are finite but meaningless.
@@ -31,13 +32,21 @@ class Attention(nn.Module):
         ``causal=False``, attending to all of their sequence's keys;
       - a decode step (no ``query_start_loc``): one token a sequence, ``q_len == 1``, the decode kernel.
 
+    Variants, per layer (each None by default: the plain softmax): ``window_size``, a sliding window (a query
+    at position ``p`` sees keys ``p - window_size + 1 .. p``; causal attention only); ``logits_soft_cap``,
+    scores capped to ``cap * tanh(scores / cap)`` before the softmax; ``sinks``, float32 ``[num_heads]`` (this
+    rank's heads), a learned logit a head in the softmax's denominator. Without a cache a window alone runs
+    SDPA with a mask, a soft cap or sinks the attention written out (SDPA has neither); with one they are
+    ``paged_attention``'s arguments.
+
     Cross-attention is ``causal=False`` with its own cache: the encoder K/V are passed and written once
     (``prefill_metadata(seq_ids, encoder_lens)``, with the decoder's ``query_start_loc`` for the queries of
     that step), and later steps pass ``key=value=None`` with ``decode_metadata(seq_ids, append=False)``.
     """
 
     def __init__(self, num_heads: int, head_size: int, num_kv_heads: int | None = None, *,
-                 scale: float | None = None, causal: bool = True) -> None:
+                 scale: float | None = None, causal: bool = True, window_size: int | None = None,
+                 logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> None:
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         sizes = dict(num_heads=num_heads, head_size=head_size, num_kv_heads=num_kv_heads)
@@ -52,15 +61,21 @@ class Attention(nn.Module):
         if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
                                   or not math.isfinite(scale)):
             raise ValueError(f"Attention: scale: expected a finite number (or None), got {scale!r}")
+        _check_variants(num_heads, causal, window_size, logits_soft_cap, sinks)
         self.num_heads = num_heads
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads
         self.scale = 1.0 / math.sqrt(head_size) if scale is None else float(scale)
         self.causal = causal
+        self.window_size = window_size
+        self.logits_soft_cap = None if logits_soft_cap is None else float(logits_soft_cap)
+        self.sinks = sinks
 
     def extra_repr(self) -> str:
+        variants = "".join(f", {name}={getattr(self, name)}" for name in ("window_size", "logits_soft_cap")
+                           if getattr(self, name) is not None)
         return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_size={self.head_size}, "
-                f"scale={self.scale:.6g}, causal={self.causal}")
+                f"scale={self.scale:.6g}, causal={self.causal}{variants}")
 
     def forward(
         self,
@@ -144,7 +159,9 @@ class Attention(nn.Module):
             tokens = tokens.contiguous()
         out = paged_attention(tokens, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
                               scale=self.scale, query_start_loc=metadata.query_start_loc, causal=self.causal,
-                              k_scale=k_scale, v_scale=v_scale)
+                              k_scale=k_scale, v_scale=v_scale,
+                              window_size=self.window_size, logits_soft_cap=self.logits_soft_cap,
+                              sinks=self.sinks)
         return out.view(batch, q_len, self.num_heads * self.head_size)
 
     def _check_hidden(self, name: str, tensor: torch.Tensor, num_heads: int,
@@ -166,21 +183,81 @@ class Attention(nn.Module):
         q = query.unflatten(-1, (self.num_heads, self.head_size)).transpose(1, 2)
         k = key.unflatten(-1, (self.num_kv_heads, self.head_size)).transpose(1, 2)
         v = value.unflatten(-1, (self.num_kv_heads, self.head_size)).transpose(1, 2)
-        if self.causal:
-            if q_len != kv_len:
-                raise ValueError(f"Attention: key: expected kv_len = q_len = {q_len} for causal attention, "
-                                 f"got {kv_len}")
+        if self.causal and q_len != kv_len:
+            raise ValueError(f"Attention: key: expected kv_len = q_len = {q_len} for causal attention, got "
+                             f"{kv_len}")
+        padding = None if self.causal or key_lens is None else _key_padding_mask(key_lens, batch, kv_len,
+                                                                                key.device)
+        if self.logits_soft_cap is not None or self.sinks is not None:
+            out = self._attention_math(q, k, v, self._mask(q_len, query.device, padding), dropout_p)
+        elif self.window_size is not None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=self._mask(q_len, query.device, padding),
+                                                 scale=self.scale, dropout_p=dropout_p, enable_gqa=group > 1)
+        elif self.causal:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
                                                  dropout_p=dropout_p, enable_gqa=group > 1)
         else:
-            mask = None if key_lens is None else _key_padding_mask(key_lens, batch, kv_len, key.device)
             # Without causality the query heads of one KV head are just more query rows: folding them in
             # shares K/V without copies, on every SDPA backend.
             q = q.reshape(batch, self.num_kv_heads, group * q_len, self.head_size)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=padding, scale=self.scale,
                                                  dropout_p=dropout_p)
             out = out.view(batch, self.num_heads, q_len, self.head_size)
         return out.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_size)
+
+    def _mask(self, q_len: int, device: torch.device, padding: torch.Tensor | None) -> torch.Tensor | None:
+        """Bool, True where a query row attends to a key: causal ``[q_len, q_len]`` (within the window), or
+        the keys' padding ``[batch, 1, 1, kv_len]`` (None: every key)."""
+        if not self.causal:
+            return padding
+        rows = torch.arange(q_len, device=device)[:, None]
+        cols = torch.arange(q_len, device=device)[None, :]
+        mask = cols <= rows
+        return mask if self.window_size is None else mask & (cols > rows - self.window_size)
+
+    def _attention_math(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                        dropout_p: float) -> torch.Tensor:
+        """The softmax attention written out, for what SDPA lacks (a soft cap, sinks), in float32: q ``[batch,
+        num_heads, q_len, head_size]``, k, v ``[batch, num_kv_heads, kv_len, head_size]`` -> q's shape."""
+        group = self.num_heads // self.num_kv_heads
+        # [batch, num_kv_heads, group, q_len, head_size]: the query heads of one KV head side by side.
+        q = q.unflatten(1, (self.num_kv_heads, group)).float()
+        scores = torch.einsum("bhgqd,bhkd->bhgqk", q, k.float()) * self.scale
+        if self.logits_soft_cap is not None:
+            scores = self.logits_soft_cap * torch.tanh(scores / self.logits_soft_cap)
+        if mask is not None:
+            # [q_len, kv_len] or [batch, 1, 1, kv_len] -> broadcast over [batch, kv heads, group, q, kv].
+            scores = scores.masked_fill(~(mask if mask.dim() == 2 else mask[:, :, None]), float("-inf"))
+        if self.sinks is not None:
+            # A sink is one more score a head, with no value: its weight is dropped after the softmax.
+            sinks = self.sinks.float().view(1, self.num_kv_heads, group, 1, 1).expand(*scores.shape[:-1], 1)
+            probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        probs = F.dropout(probs, dropout_p) if dropout_p > 0.0 else probs
+        out = torch.einsum("bhgqk,bhkd->bhgqd", probs, v.float()).to(v.dtype)
+        return out.flatten(1, 2)
+
+
+def _check_variants(num_heads: int, causal: bool, window_size: int | None, logits_soft_cap: float | None,
+                    sinks: torch.Tensor | None) -> None:
+    if window_size is not None:
+        if isinstance(window_size, bool) or not isinstance(window_size, int) or window_size < 1:
+            raise ValueError(f"Attention: window_size: expected None or an int >= 1, got {window_size!r}")
+        if not causal:
+            raise ValueError(f"Attention: window_size: expected None for causal=False (a window follows the "
+                             f"query's position), got {window_size}")
+    if logits_soft_cap is not None and (isinstance(logits_soft_cap, bool)
+                                        or not isinstance(logits_soft_cap, (int, float))
+                                        or not math.isfinite(logits_soft_cap) or logits_soft_cap <= 0):
+        raise ValueError(f"Attention: logits_soft_cap: expected None or a finite number > 0, got "
+                         f"{logits_soft_cap!r}")
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.dtype != torch.float32
+                              or sinks.shape != (num_heads,)):
+        got = (f"{sinks.dtype} of shape {list(sinks.shape)}" if isinstance(sinks, torch.Tensor)
+               else type(sinks).__name__)
+        raise ValueError(f"Attention: sinks: expected None or a float32 tensor of shape [{num_heads}] "
+                         f"(num_heads), got {got}")
 
 
 def _key_padding_mask(key_lens: torch.Tensor, batch: int, kv_len: int, device: torch.device) -> torch.Tensor:

@@ -6,6 +6,7 @@
 
 from tpkit.models.auto import MODEL_CLASSES, from_pretrained, model_class
 from tpkit.models.bart import BartForConditionalGeneration
+from tpkit.models.gemma import GemmaForCausalLM
 from tpkit.models.generation import PagedDecoderOnlyLM, PagedLM
 from tpkit.models.gpt_bigcode import GPTBigCodeForCausalLM
 from tpkit.models.llama import LlamaForCausalLM
@@ -15,6 +16,7 @@ __all__ = [
     "MODEL_CLASSES",
     "BartForConditionalGeneration",
     "GPTBigCodeForCausalLM",
+    "GemmaForCausalLM",
     "LlamaForCausalLM",
     "PagedDecoderOnlyLM",
     "PagedLM",

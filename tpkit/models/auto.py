@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from tpkit.loaders import CheckpointError, checkpoint_file, iter_weights, resolve_checkpoint
 from tpkit.models.bart import BartForConditionalGeneration
+from tpkit.models.gemma import GemmaForCausalLM
 from tpkit.models.generation import PagedLM
 from tpkit.models.gpt_bigcode import GPTBigCodeForCausalLM
 from tpkit.models.llama import LlamaForCausalLM
@@ -27,6 +28,10 @@ from tpkit.parallel_layers import TPGroup, get_tp_group, process_weights_after_l
 MODEL_CLASSES: dict[str, type[PagedLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
     "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
     "BartForConditionalGeneration": BartForConditionalGeneration,
 }

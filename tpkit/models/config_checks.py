@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from tpkit._memory import available_bytes
 from tpkit.models.activations import _ACTIVATIONS
-from tpkit.ops.rotary import check_rope_parameters, rope_parameters
+from tpkit.models.layer_types import rope_parameters_by_type
+from tpkit.ops.rotary import check_rope_parameters
 from tpkit.parallel_layers import TPGroup, check_ranks_agree, get_tp_group
 
 # Every size is an int32 on the kernels' side (and a tensor dimension): at most this.
@@ -45,6 +46,10 @@ def _is_number(value: Any) -> bool:
 
 def size(limit: int = MAX_SIZE) -> Check:
     return lambda v: None if _is_int(v) and 1 <= v <= limit else f"expected an int in [1, {limit}]"
+
+
+def count(v: Any) -> str | None:
+    return None if _is_int(v) and 0 <= v <= MAX_SIZE else f"expected an int in [0, {MAX_SIZE}]"
 
 
 def fraction(v: Any) -> str | None:
@@ -82,7 +87,17 @@ LLAMA: Schema = (
     ("head_dim", False, size()), ("rms_norm_eps", False, positive), ("attention_dropout", False, fraction),
     ("tie_word_embeddings", False, flag), ("attention_bias", False, flag), ("mlp_bias", False, flag),
     ("hidden_act", False, activation), ("eos_token_id", False, token_ids),
+    ("sliding_window", False, size()), ("use_sliding_window", False, flag),
+    ("max_window_layers", False, count),
 )
+_LLAMA_ATTENTION = tuple(entry for entry in LLAMA if entry[0] != "hidden_act")
+GEMMA: Schema = (
+    *_LLAMA_ATTENTION, ("hidden_activation", False, activation), ("query_pre_attn_scalar", False, positive),
+    ("attn_logit_softcapping", False, positive), ("final_logit_softcapping", False, positive),
+    ("sliding_window_pattern", False, size(MAX_LAYERS)), ("rope_local_base_freq", False, positive),
+)
+# The decoder-only models built from Llama's layers: their sizes and RoPE settings are checked alike.
+_DECODERS = ("LlamaForCausalLM", "GemmaForCausalLM")
 GPT_BIGCODE: Schema = (
     ("vocab_size", True, size()), ("n_embd", True, size()), ("n_layer", True, size(MAX_LAYERS)),
     ("n_head", True, size()), ("n_positions", True, size()), ("n_inner", False, size()),
@@ -126,8 +141,9 @@ def check_config(model: str, config: Any, schema: Schema, *, dtype: torch.dtype 
     problems = _problems(config, schema, vocab_keys)
     if problems:
         raise ValueError(f"{model}: config.json: " + "; ".join(problems))
-    if model == "LlamaForCausalLM":
-        check_rope_parameters(rope_parameters(config))
+    if model in _DECODERS:
+        for params in rope_parameters_by_type(config).values():
+            check_rope_parameters(params)
     needed = (_parameter_numel(model, config) * dtype.itemsize // tp_size + _buffer_bytes(model, config)
               + _layer_count(config) * _LAYER_OVERHEAD_BYTES)
     available = available_bytes(device)
@@ -195,7 +211,7 @@ def _layer_count(config: Mapping[str, Any]) -> int:
 
 def _parameter_numel(model: str, c: Mapping[str, Any]) -> int:
     """The parameters of the whole model (biases and norms included where they are of any size)."""
-    if model == "LlamaForCausalLM":
+    if model in _DECODERS:
         hidden, heads = c["hidden_size"], c["num_attention_heads"]
         head_size = c.get("head_dim") or hidden // heads
         q, kv = heads * head_size, (c.get("num_key_value_heads") or heads) * head_size
@@ -217,7 +233,7 @@ def _parameter_numel(model: str, c: Mapping[str, Any]) -> int:
 def _buffer_bytes(model: str, c: Mapping[str, Any]) -> int:
     """Llama's RoPE tables: float32 cos and sin, half a head wide each, for every position (and the
     frequencies they are computed from, as large)."""
-    if model != "LlamaForCausalLM":
+    if model not in _DECODERS:
         return 0
     head_size = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     return 2 * c["max_position_embeddings"] * head_size * 4

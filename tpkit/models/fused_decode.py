@@ -18,8 +18,9 @@ every kernel between two products costs a launch for a few KB. Here the decode k
 takes the step's products (:func:`tpkit.ops.decode_kernel_applies`); True at every decode step without
 gradients (the fused ops' PyTorch expressions where the kernels do not run, as on the CPU); False never.
 It multiplies with the layers' weights itself (the decode kernels, whatever ``linear_op`` the layers
-have), so it applies to SwiGLU MLPs (``hidden_act`` silu) only, and a model whose layers are given another
-product (``set_linear_op``) sets ``fused_decode = False``.
+have), so it applies to SwiGLU MLPs (``hidden_act`` silu) without q/k norms (Qwen3's come between the
+product and RoPE) only, and a model whose layers are given another product (``set_linear_op``) sets
+``fused_decode = False``.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ def fused_decode_applies(model: LlamaForCausalLM, x: torch.Tensor, kv_cache: Pag
     if model.layers[0].self_attn.qkv_proj.quant_method is not None:
         return False
     if torch.is_grad_enabled() or model.sequence_parallel or model.layers[0].mlp.act is not F.silu:
+        return False
+    if model.layers[0].self_attn.q_norm is not None:  # q/k norms come before RoPE, in the qkv epilogue's way
         return False
     return model.fused_decode or decode_kernel_applies(x, model.layers[0].self_attn.qkv_proj.weight)
 

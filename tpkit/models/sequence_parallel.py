@@ -11,6 +11,8 @@ and the decoder's output; cross-attention gathers the encoder's tokens). Such a 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 
@@ -44,8 +46,11 @@ def exit_sequence_parallel(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     return gather_from_sequence_parallel_region(x, tp, dim=1, partial_grad=False)
 
 
-def mark_norms(model: nn.Module, norm_type: type[nn.Module]) -> None:
-    """Every ``norm_type`` module of ``model`` acts on a rank's tokens (all of a reference model's norms sit
-    between a row-parallel layer, or the embeddings, and the next column-parallel one):
-    ``reduce_sequence_parallel_grads`` sums their gradients."""
-    mark_sequence_parallel(*(module for module in model.modules() if isinstance(module, norm_type)))
+def mark_norms(model: nn.Module, norm_type: type[nn.Module], exclude: Iterable[nn.Module] = ()) -> None:
+    """Every ``norm_type`` module of ``model`` but those in ``exclude`` acts on a rank's tokens (a reference
+    model's norms of the residual stream sit between a row-parallel layer, or the embeddings, and the next
+    column-parallel one): ``reduce_sequence_parallel_grads`` sums their gradients. Norms of attention heads
+    (``exclude``) see every token, after the projection gathered them."""
+    excluded = {id(module) for module in exclude}
+    mark_sequence_parallel(*(module for module in model.modules()
+                             if isinstance(module, norm_type) and id(module) not in excluded))

@@ -27,13 +27,20 @@ from tpkit.ops.linear import (
 )
 from tpkit.ops.norm import RMSNorm, apply_rms_sums
 from tpkit.ops.paged_attention import paged_attention, reshape_and_cache
-from tpkit.ops.rotary import RotaryEmbedding, apply_rotary, inverse_frequencies, rope_parameters
+from tpkit.ops.rotary import (
+    RotaryEmbedding,
+    apply_rotary,
+    attention_factor,
+    inverse_frequencies,
+    rope_parameters,
+)
 
 __all__ = [
     "RMSNorm",
     "RotaryEmbedding",
     "apply_rms_sums",
     "apply_rotary",
+    "attention_factor",
     "decode_kernel_applies",
     "decode_linear",
     "decode_linear_fp8",

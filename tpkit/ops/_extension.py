@@ -45,6 +45,7 @@ _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 _lock = threading.Lock()
 _modules: dict[tuple[int, int], ModuleType | None] = {}
 _warned = False
+_warned_variants = False
 
 
 def extension_name(capability: tuple[int, int]) -> str:
@@ -123,6 +124,19 @@ def _warn_once(reason: str) -> None:
     )
 
 
+def _warn_variants_once() -> None:
+    global _warned_variants
+    if _warned_variants:
+        return
+    _warned_variants = True
+    warnings.warn(
+        "tpkit: paged_attention with window_size, logits_soft_cap or sinks has no CUDA kernel yet; it runs "
+        "the PyTorch implementation on the GPU, which is correct but far slower than the kernel.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
 def _find_module(capability: tuple[int, int]) -> ModuleType | None:
     from torch.utils.cpp_extension import CUDA_HOME
 
@@ -165,6 +179,9 @@ def paged_attention(
     causal: bool = True,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window_size: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> bool:
     """Runs the CUDA attention kernel into ``out``; False when no kernel is available here.
 
@@ -177,7 +194,13 @@ def paged_attention(
 
     A float8 cache (``k_scale`` and ``v_scale`` given) has no kernel yet: False, and the PyTorch
     implementation dequantizes it on the GPU; the kernel's loads do not convert float8.
+
+    The kernel computes the plain softmax over all of a sequence's keys: a call with a sliding window, a
+    soft cap or sinks returns False (after a warning, once) and runs the PyTorch implementation.
     """
+    if window_size is not None or logits_soft_cap is not None or sinks is not None:
+        _warn_variants_once()
+        return False
     if k_scale is not None:
         return False
     module = _module_for(query.device)

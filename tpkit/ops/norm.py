@@ -17,16 +17,30 @@ from tpkit.ops._checks import _check_row_sums
 
 
 class RMSNorm(nn.Module):
-    """transformers' LlamaRMSNorm (normalised in float32), as one fused op where torch has one."""
+    """transformers' LlamaRMSNorm (normalised in float32), as one fused op where torch has one.
+
+    ``unit_offset``: Gemma's RMSNorm instead, which scales by ``1 + weight`` (its checkpoints store the
+    offset from 1) and rounds to the input's dtype only after the scaling, all in float32 as transformers
+    computes it.
+    """
 
     def __init__(self, hidden_size: int, eps: float, *, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, unit_offset: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))  # [hidden_size]
+        initial = torch.zeros if unit_offset else torch.ones
+        self.weight = nn.Parameter(initial(hidden_size, dtype=dtype, device=device))  # [hidden_size]
         self.eps = eps
+        self.unit_offset = unit_offset
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """x ``[..., hidden_size]``; ``weight``: the weight to scale by (default ``self.weight``; a model
+        passes it through an autograd mapping where the norm's gradient needs one)."""
+        weight = self.weight if weight is None else weight
+        if self.unit_offset:
+            x32 = x.float()
+            normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+            return (normed * (1.0 + weight.float())).to(x.dtype)
+        return F.rms_norm(x, weight.shape, weight, self.eps)
 
 
 def apply_rms_sums(input: torch.Tensor, rms_sums: torch.Tensor | None, eps: float) -> torch.Tensor:

@@ -78,6 +78,9 @@ def _check_paged_attention(
     causal: bool = True,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window_size: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
     *,
     read_values: bool = False,
 ) -> None:
@@ -117,14 +120,48 @@ def _check_paged_attention(
         _check_tensor(op, "alibi_slopes", alibi_slopes, dim=1, dtypes=(torch.float32,))
         _check_same(op, "alibi_slopes", "shape [num_heads]", [num_heads], list(alibi_slopes.shape))
         tensors["alibi_slopes"] = alibi_slopes
+    _check_variants(window_size, logits_soft_cap)
+    if sinks is not None:
+        _check_tensor(op, "sinks", sinks, dim=1, dtypes=(torch.float32,))
+        _check_same(op, "sinks", "shape [num_heads]", [num_heads], list(sinks.shape))
+        tensors["sinks"] = sinks
     _check_devices(op, "query", query, **tensors)
     if read_values or _contents_free(block_tables):
-        _check_table_values(key_cache, block_tables, seq_lens)
+        first_needed = None
+        if window_size is not None:
+            # The first cache position any query of the sequence sees: its first query's window start.
+            if query_start_loc is None:
+                query_lens = torch.ones_like(seq_lens)
+            else:
+                query_lens = query_start_loc[1:] - query_start_loc[:-1]
+            first_needed = seq_lens.long() - query_lens.long() - (window_size - 1)
+        _check_table_values(key_cache, block_tables, seq_lens, first_needed)
     if query_start_loc is not None and (read_values or _contents_free(query_start_loc)):
         _check_query_start_loc_values(query_start_loc, seq_lens, num_rows)
 
 
-def _check_table_values(key_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
+def _check_variants(window_size: int | None, logits_soft_cap: float | None) -> None:
+    """``window_size`` an int >= 1, ``logits_soft_cap`` a finite number > 0 (or None): a window of no keys or
+    a cap of 0 has no meaning, and a negative cap would reverse the scores' order."""
+    op = "paged_attention"
+    if window_size is not None:
+        if isinstance(window_size, bool) or not isinstance(window_size, int):
+            raise TypeError(f"{op}: window_size: expected an int or None, got {type(window_size).__name__}")
+        if window_size < 1:
+            raise ValueError(f"{op}: window_size: expected an int >= 1 (the keys a query sees, its own "
+                             f"included), got {window_size}")
+    if logits_soft_cap is not None:
+        if isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap, (int, float)):
+            raise TypeError(f"{op}: logits_soft_cap: expected a float or None, got "
+                            f"{type(logits_soft_cap).__name__}")
+        if not (math.isfinite(logits_soft_cap) and logits_soft_cap > 0):
+            raise ValueError(f"{op}: logits_soft_cap: expected a finite float > 0, got {logits_soft_cap}")
+
+
+def _check_table_values(key_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        first_needed: torch.Tensor | None = None) -> None:
+    """Every block a sequence's queries read holds a valid index: those below ``seq_lens`` and, with a
+    window, ending after ``first_needed`` (int64 [num_seqs], the first position any query sees)."""
     num_blocks, block_size = key_cache.shape[:2]
     capacity = block_tables.shape[1] * block_size
     bad_lens = ((seq_lens < 0) | (seq_lens > capacity)).nonzero()
@@ -134,6 +171,8 @@ def _check_table_values(key_cache: torch.Tensor, block_tables: torch.Tensor, seq
                          f"capacity of block_tables), got {int(seq_lens[i])}")
     block_start = torch.arange(block_tables.shape[1], device=block_tables.device) * block_size
     used = block_start[None, :] < seq_lens[:, None].long()  # [num_seqs, max_blocks_per_seq]
+    if first_needed is not None:
+        used &= block_start[None, :] + block_size > first_needed[:, None]
     bad_entries = (used & ((block_tables < 0) | (block_tables >= num_blocks))).nonzero()
     if bad_entries.numel():
         i, j = (int(x) for x in bad_entries[0])
@@ -216,7 +255,8 @@ _define_op(
     "paged_attention",
     "(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
     "Tensor seq_lens, float scale, Tensor? alibi_slopes, Tensor? query_start_loc=None, "
-    "bool causal=True, Tensor? k_scale=None, Tensor? v_scale=None) -> ()",
+    "bool causal=True, Tensor? k_scale=None, Tensor? v_scale=None, SymInt? window_size=None, "
+    "float? logits_soft_cap=None, Tensor? sinks=None) -> ()",
     ("out",),
     _check_paged_attention,
     paged_attention_reference,
@@ -245,6 +285,9 @@ def paged_attention(
     causal: bool = True,
     k_scale: torch.Tensor | float | None = None,
     v_scale: torch.Tensor | float | None = None,
+    window_size: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of query tokens over their sequences' keys and values in a paged cache.
 
@@ -289,12 +332,18 @@ def paged_attention(
         raise TypeError(f"paged_attention: scale: expected a float or None, got {type(scale).__name__}")
     if not isinstance(causal, bool):
         raise TypeError(f"paged_attention: causal: expected a bool, got {type(causal).__name__}")
+    _check_variants(window_size, logits_soft_cap)
+    if sinks is not None and not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"paged_attention: sinks: expected a torch.Tensor or None, got "
+                        f"{type(sinks).__name__}")
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     k_scale = _as_scale("paged_attention", "k_scale", k_scale, key_cache)
     v_scale = _as_scale("paged_attention", "v_scale", v_scale, key_cache)
+    cap = None if logits_soft_cap is None else float(logits_soft_cap)
     torch.ops.tpkit.paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, float(scale),
-                                    alibi_slopes, query_start_loc, causal, k_scale, v_scale)
+                                    alibi_slopes, query_start_loc, causal, k_scale, v_scale, window_size, cap,
+                                    sinks)
     return out
 
 

@@ -8,6 +8,8 @@ synchronisation, so they can be captured in CUDA graphs: the work follows the sh
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 # Upper bound on the elements of one gathered float32 K (or V, or score) chunk: 2**24 elements is 64 MiB,
@@ -28,13 +30,18 @@ def paged_attention_reference(
     causal: bool = True,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window_size: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Attention of each query row over its sequence's paged K/V, written into ``out``.
 
     Arguments are as for ``tpkit.attention.paged_attention`` and are assumed valid. Without
     ``query_start_loc`` a row is a sequence (its one query token); with it a row is a query token, which
     reads its sequence's block table and attends, as the cache position it stands at, to the keys before it
-    (``causal``) or to all of them. Rows and KV blocks are processed in chunks of at most
+    (``causal``) or to all of them; with ``window_size``, only to those of the last ``window_size`` positions
+    up to its own. ``logits_soft_cap`` caps the scaled scores (before ALiBi), ``sinks`` adds a logit a head
+    to the softmax's denominator. Rows and KV blocks are processed in chunks of at most
     :data:`CHUNK_ELEMENTS` gathered elements, merged with a running log-sum-exp, so memory stays bounded for
     any context length. A float8 cache's keys and values are dequantized as they are gathered,
     ``stored.float() * scale``.
@@ -52,6 +59,8 @@ def paged_attention_reference(
     rows_per_chunk = max(1, min(num_rows, CHUNK_ELEMENTS // (blocks_per_chunk * block_size * per_token)))
     # [num_heads] -> [num_kv_heads, group], matching the query's grouping below.
     slopes = None if alibi_slopes is None else alibi_slopes.float().view(num_kv_heads, group)
+    head_sinks = None if sinks is None else sinks.float().view(num_kv_heads, group)
+    variants = _Variants(window_size, logits_soft_cap, head_sinks)
     for r0 in range(0, num_rows, rows_per_chunk):
         r1 = min(num_rows, r0 + rows_per_chunk)
         # [R, num_kv_heads, group, head_size]: query heads of one KV head side by side, so GQA needs no
@@ -63,8 +72,25 @@ def paged_attention_reference(
         else:
             table, key_lens, query_pos = _token_rows(r0, r1, block_tables, seq_lens, query_start_loc, causal)
         result = _attend_chunk(q, key_cache, value_cache, table, key_lens, query_pos, slopes,
-                               num_table_blocks, blocks_per_chunk, k_scale, v_scale)
+                               num_table_blocks, blocks_per_chunk, k_scale, v_scale,
+                               variants)
         out[r0:r1] = result.view(r1 - r0, num_heads, head_size).to(out.dtype)
+
+
+class _Variants(NamedTuple):
+    """The optional attention variants, as :func:`_attend_chunk` applies them (None: off).
+
+    window_size: a row attends to cache positions ``query_pos - window_size + 1`` and later;
+    logits_soft_cap: scores become ``cap * tanh(scores / cap)``; sinks: float32 [num_kv_heads, group], one
+    logit a head that joins the softmax's denominator (and no value).
+    """
+
+    window_size: int | None = None
+    logits_soft_cap: float | None = None
+    sinks: torch.Tensor | None = None
+
+
+_PLAIN = _Variants()
 
 
 def _token_rows(
@@ -105,30 +131,43 @@ def _attend_chunk(
     blocks_per_chunk: int,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    variants: _Variants = _PLAIN,
 ) -> torch.Tensor:
     """Attention of a chunk of rows, over their tables in pieces of ``blocks_per_chunk`` blocks.
 
     q [R, num_kv_heads, group, head_size] float32, pre-scaled; block_tables [R, max_blocks_per_seq]; key_lens
     int64 [R]: each row attends to cache positions ``0 .. key_lens - 1``; query_pos int64 [R]: the row's
-    cache position, for ALiBi; k_scale, v_scale float32 [] or [num_kv_heads] (a float8 cache) or None.
-    Returns float32 [R, num_kv_heads, group, head_size].
+    cache position, for ALiBi and the window; k_scale, v_scale float32 [] or [num_kv_heads] (a float8
+    cache) or None. Returns float32 [R, num_kv_heads, group, head_size].
     """
     num_rows, num_kv_heads, group, head_size = q.shape
     block_size = key_cache.shape[1]
     device = q.device
-    running_max = torch.full((num_rows, num_kv_heads, group, 1), float("-inf"), device=device)
-    running_sum = torch.zeros((num_rows, num_kv_heads, group, 1), device=device)
+    window_size, soft_cap, sinks = variants
+    if sinks is None:
+        running_max = torch.full((num_rows, num_kv_heads, group, 1), float("-inf"), device=device)
+        running_sum = torch.zeros((num_rows, num_kv_heads, group, 1), device=device)
+    else:
+        # A sink is one more score with a zero value: the running softmax starts from it.
+        running_max = sinks[None, :, :, None].expand(num_rows, num_kv_heads, group, 1)
+        running_sum = torch.ones((num_rows, num_kv_heads, group, 1), device=device)
+    # [R]: the first cache position a row attends to.
+    first_key = None if window_size is None else query_pos - (window_size - 1)
     acc = torch.zeros_like(q)
     for b0 in range(0, num_table_blocks, blocks_per_chunk):
         b1 = min(num_table_blocks, b0 + blocks_per_chunk)
         num_tokens = (b1 - b0) * block_size
         block_start = torch.arange(b0, b1, device=device) * block_size  # [B]
         used = block_start[None, :] < key_lens[:, None]  # [R, B]
+        if first_key is not None:  # blocks wholly before the window are not the row's
+            used &= block_start[None, :] + block_size > first_key[:, None]
         # Table entries past a row's used blocks may be garbage: point them at block 0, whose contents are
         # masked out below.
         table = torch.where(used, block_tables[:, b0:b1].long(), 0)  # [R, B]
         positions = torch.arange(b0 * block_size, b1 * block_size, device=device)  # [T]
         valid = positions[None, :] < key_lens[:, None]  # [R, T]
+        if first_key is not None:
+            valid = valid & (positions[None, :] >= first_key[:, None])
         # reshape, not view: indexing a cache with strided pages (a head-major view) keeps their order.
         keys = _dequantized(key_cache[table].reshape(num_rows, num_tokens, num_kv_heads, head_size), k_scale)
         values = _dequantized(value_cache[table].reshape(num_rows, num_tokens, num_kv_heads, head_size),
@@ -136,6 +175,8 @@ def _attend_chunk(
         # Unused slots may hold NaN, and NaN * 0 is NaN: mask the values as well as the scores.
         values = torch.where(valid[:, :, None, None], values, 0.0)
         scores = torch.einsum("rhgd,rthd->rhgt", q, keys)  # [R, num_kv_heads, group, T]
+        if soft_cap is not None:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
         if slopes is not None:
             distance = (positions[None, :] - query_pos[:, None]).float()  # [R, T]
             scores = scores + slopes[None, :, :, None] * distance[:, None, None, :]

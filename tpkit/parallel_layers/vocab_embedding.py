@@ -169,7 +169,8 @@ class ParallelLMHead(_UsesLinearOp, _VocabParallelBase):
     embedding then loads the head. ``tied`` says it was asked to (``model.to_empty()`` gives each name its
     own tensor: tie again after it); :meth:`untie_weights` gives the head a weight of its own again (loaders
     do, as transformers does, where a checkpoint holds both with different values). The optional bias is
-    sharded and padded like the weight's rows.
+    sharded and padded like the weight's rows. ``logits_soft_cap`` (Gemma 2's ``final_logit_softcapping``)
+    caps every method's logits to ``cap * tanh(logits / cap)``.
     """
 
     tied = False
@@ -184,9 +185,16 @@ class ParallelLMHead(_UsesLinearOp, _VocabParallelBase):
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         tp_group: TPGroup | dist.ProcessGroup | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
         super().__init__(num_embeddings, embedding_dim, padding_size, bias=bias, params_dtype=params_dtype,
                          device=device, tp_group=tp_group)
+        if logits_soft_cap is not None and (isinstance(logits_soft_cap, bool)
+                                            or not isinstance(logits_soft_cap, (int, float))
+                                            or not math.isfinite(logits_soft_cap) or logits_soft_cap <= 0):
+            raise ValueError(f"ParallelLMHead: logits_soft_cap: expected None or a finite number > 0, got "
+                             f"{logits_soft_cap!r}")
+        self.logits_soft_cap = logits_soft_cap
 
     def reset_parameters(self) -> None:
         # An untied head is a linear layer: nn.Linear's bound over its fan-in.
@@ -238,7 +246,10 @@ class ParallelLMHead(_UsesLinearOp, _VocabParallelBase):
                              f"{self.embedding_dim} (embedding_dim), got shape {got!r}")
         if self.tp_size > 1:
             hidden_states = copy_to_tp_region(hidden_states, self.tp_group)
-        return self.linear_op(hidden_states, self.weight, self.bias)
+        logits = self.linear_op(hidden_states, self.weight, self.bias)
+        cap = self.logits_soft_cap
+        # Element-wise: capping a rank's columns caps the full logits.
+        return logits if cap is None else cap * torch.tanh(logits / cap)
 
     def cross_entropy(self, hidden_states: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100,
                       reduction: str = "mean") -> torch.Tensor:
