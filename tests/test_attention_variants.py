@@ -180,7 +180,7 @@ def test_bad_variant_arguments_of_the_op_itself():
     """The op checks them too (a direct call, or torch.compile's trace)."""
     case = _small_case()
     args = (torch.empty_like(case["query"]), case["query"], case["key_cache"], case["value_cache"],
-            case["block_tables"], case["seq_lens"], 0.25, None, None, True)
+            case["block_tables"], case["seq_lens"], 0.25, None, None, True, None, None)  # no k/v scales
     with pytest.raises(ValueError, match="window_size: expected an int >= 1"):
         torch.ops.tpkit.paged_attention(*args, -4, None, None)
     with pytest.raises(ValueError, match="logits_soft_cap: expected a finite float > 0"):
