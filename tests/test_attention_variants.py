@@ -126,25 +126,33 @@ def test_sinks_nan_propagates():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_variants_on_gpu_in_cuda_graph(monkeypatch):
-    """On a GPU the variants run the PyTorch implementation (warning once), inside a captured graph too."""
+@pytest.mark.parametrize("multi", [False, True])
+@pytest.mark.parametrize("dtype, head_size",
+                         [(torch.bfloat16, 128), (torch.float16, 64), (torch.float32, 32)])
+def test_variants_on_gpu_in_cuda_graph(multi, dtype, head_size):
+    """On a GPU the CUDA kernel runs the variants (it takes them: True), against the naive loop, and its
+    replay from a captured graph gives the eager result."""
     from tpkit.ops import _extension
 
-    monkeypatch.setattr(_extension, "_warned_variants", False)
-    case = make_multitoken_case(num_heads=4, num_kv_heads=2, head_size=64, block_size=16, seq_lens=[40, 7],
-                                query_lens=[3, 7], dtype=torch.bfloat16)
+    common = dict(num_heads=4, num_kv_heads=2, head_size=head_size, block_size=16, seq_lens=[40, 7, 300],
+                  dtype=dtype)
+    case = (make_multitoken_case(query_lens=[3, 7, 100], **common) if multi
+            else dict(make_case(**common), query_start_loc=None))
+    # Garbage in the table entries of the blocks before every query's window: never read.
+    case["block_tables"][2, :(300 - (100 if multi else 1) - 8 + 1) // 16] = -(10**6)
     cuda = {k: v.cuda() for k, v in case.items() if isinstance(v, torch.Tensor)}
+    qsl = cuda.get("query_start_loc")
     variants = dict(window_size=8, logits_soft_cap=20.0, sinks=torch.randn(4, device="cuda"))
     args = (cuda["query"], cuda["key_cache"], cuda["value_cache"], cuda["block_tables"], cuda["seq_lens"])
-    with pytest.warns(RuntimeWarning):
-        eager = paged_attention(*args, query_start_loc=cuda["query_start_loc"], **variants)
+    out = torch.full_like(cuda["query"], float("nan"))
+    assert _extension.paged_attention(out, *args, 1 / math.sqrt(head_size), None, qsl, True, **variants)
+    eager = paged_attention(*args, query_start_loc=qsl, **variants)
+    torch.testing.assert_close(eager, out)
     expected = naive_variants(case["query"], case["key_cache"], case["value_cache"], case["block_tables"],
-                              case["seq_lens"], case["query_start_loc"], 1 / 8, window_size=8,
-                              logits_soft_cap=20.0, sinks=variants["sinks"].cpu())
-    torch.testing.assert_close(eager.cpu().double(), expected, atol=TOLERANCE[torch.bfloat16],
-                               rtol=TOLERANCE[torch.bfloat16])
-    graph, replayed = capture(lambda: paged_attention(*args, query_start_loc=cuda["query_start_loc"],
-                                                      **variants))
+                              case["seq_lens"], case["query_start_loc"], 1 / math.sqrt(head_size),
+                              window_size=8, logits_soft_cap=20.0, sinks=variants["sinks"].cpu())
+    torch.testing.assert_close(eager.cpu().double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    graph, replayed = capture(lambda: paged_attention(*args, query_start_loc=qsl, **variants))
     graph.replay()
     torch.testing.assert_close(replayed, eager)
 

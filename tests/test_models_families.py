@@ -38,8 +38,9 @@ FAMILIES = {
     # The second layer slides (max_window_layers 1), the first attends to every key.
     "qwen2_sliding": (Qwen2ForCausalLM, Qwen2Config, dict(SMALL, use_sliding_window=True,
                                                           sliding_window=WINDOW, max_window_layers=1)),
+    # Eager attention: some transformers releases drop the scores' soft cap under SDPA.
     "gemma2": (Gemma2ForCausalLM, Gemma2Config, dict(GEMMA, attn_logit_softcapping=3.0,
-                                                     final_logit_softcapping=5.0)),
+                                                     final_logit_softcapping=5.0, attn_implementation="eager")),
     # Local layers (0 and 2) rotate with base 100, the global layer with linear scaling over base 10000.
     "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig, dict(GEMMA, sliding_window_pattern=2, rope_parameters={
         "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
@@ -123,7 +124,7 @@ def test_chunked_prefill_and_prefix_cache_keep_the_window(checkpoint):
     from tpkit.models import from_pretrained
 
     path, _, refs = checkpoint("mistral")
-    model = from_pretrained(path)
+    model = from_pretrained(path, device="cpu")  # blocks of 4: the PyTorch implementation's, not the kernels'
     model.kv_block_size = 4
     for _ in range(2):
         tokens = model.generate(refs["prompts"], MAX_NEW_TOKENS, ignore_eos=True, max_prefill_tokens=5,
@@ -151,3 +152,35 @@ def test_bad_gemma_config():
     with pytest.raises(ValueError, match=r"query_pre_attn_scalar: expected a finite number > 0, got 0; "
                                          r"final_logit_softcapping: expected a finite number > 0, got -1.0"):
         GemmaForCausalLM(config)
+
+
+def _same_up_to_ties(hf_model, prompts, tokens, ref_tokens, tolerance=1e-4) -> bool:
+    """tpkit's greedy tokens equal transformers', or first differ where transformers' own logits for the two
+    tokens are within ``tolerance`` (a tie that float32 rounding in another order may break either way:
+    Gemma 2's final soft cap squashes large logits together)."""
+    for prompt, got, want in zip(prompts, tokens, ref_tokens, strict=True):
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            if a != b:
+                with torch.no_grad():
+                    logits = hf_model(torch.tensor([prompt + want[:i]])).logits[0, -1]
+                if abs(float(logits[a] - logits[b])) > tolerance:
+                    return False
+                break
+    return True
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("cuda_graph", [False, True])
+@pytest.mark.parametrize("name", ["qwen3", "mistral", "qwen2_sliding", "gemma2", "gemma3"])
+def test_family_tokens_on_gpu(checkpoint, name, cuda_graph):
+    """On the GPU (float32: the kernels' windows, soft caps and per-layer settings), greedy generation
+    through the paged cache, eager and replayed from CUDA graphs, gives transformers' tokens (up to ties);
+    with blocks of 8 tokens the 8-token windows mostly start inside a block."""
+    from tpkit.models import from_pretrained
+
+    path, hf_model, refs = checkpoint(name)
+    model = from_pretrained(path, device="cuda", dtype=torch.float32)
+    model.kv_block_size = 8
+    tokens = model.generate(refs["prompts"], MAX_NEW_TOKENS, ignore_eos=True, cuda_graph=cuda_graph)
+    assert _same_up_to_ties(hf_model, refs["prompts"], tokens, refs["ref_tokens"]), (
+        f"tpkit {tokens} != transformers {refs['ref_tokens']}")

@@ -5,16 +5,17 @@ from 1 to 64 (powers of two or not), 1-8 KV heads, 1-1024 sequences with ragged 
 tokens (under a budget of cache elements), a block table as wide as needed or wider, ALiBi or not, and
 queries scaled for flat or peaked scores, and for half the cases several query tokens a sequence
 (``query_start_loc``: per sequence none, one, a few speculative ones, a chunk after a cached prefix or the
-whole sequence, mixed in one batch; causal or not). The cache holds random K/V for every token of every
-sequence and NaN everywhere else (unused slots, spare pages, which the unused table entries point at), and
-the output starts as NaN: a read outside a sequence, or a row left unwritten, shows up as NaN. The kernel's
-output is compared with the PyTorch reference on the GPU (float32 arithmetic over the same, exactly rounded
-inputs) within the dtype's tolerance.
+whole sequence, mixed in one batch; causal or not), and for a third of the cases the variants: a sliding
+window (whose earlier blocks' table entries then point at NaN pages), a logit soft cap, sinks. The cache
+holds random K/V for every token of every sequence and NaN everywhere else (unused slots, spare pages,
+which the unused table entries point at), and the output starts as NaN: a read outside a sequence, or a
+row left unwritten, shows up as NaN. The kernel's output is compared with the PyTorch reference on the GPU
+(float32 arithmetic over the same, exactly rounded inputs) within the dtype's tolerance.
 
 The cases run in a worker process, one after another; a case that breaks the process (a launch error
 leaves its CUDA context unusable) is reported as failed and the rest run in a new worker, so one bad
 launch cannot poison the others. The first cases are fixed: shapes that once failed to launch, then a few
-of several query tokens a sequence. Budget:
+of several query tokens a sequence and of the variants. Budget:
 ``TPKIT_FUZZ_CASES`` cases (default 1500) from ``TPKIT_FUZZ_SEED`` (default 0); a long run by hand is e.g.
 ``TPKIT_FUZZ_CASES=20000 TPKIT_FUZZ_SEED=1 python -m pytest tests/test_paged_attention_fuzz_cuda.py -s``.
 """
@@ -54,7 +55,7 @@ REFERENCE_WORK = 1 << 33
 # sums over up to 2**20 tokens in another order.
 TOLERANCES = {torch.float32: (2e-4, 2e-4), torch.float16: (2e-3, 4e-3), torch.bfloat16: (1e-2, 1.6e-2)}
 # One sequence of 131072 tokens on one KV head, 4, 8 and 48 query heads: plans that once asked for a
-# cluster of 228 blocks; then shapes of several query tokens a sequence.
+# cluster of 228 blocks; then shapes of several query tokens a sequence, and of the variants.
 FIXED_CASES = tuple(
     {"dtype": "bfloat16", "head_size": 128, "block_size": 16, "num_heads": num_heads, "num_kv_heads": 1,
      "seq_lens": [131072], "extra_width": 0, "alibi": False, "q_scale": 1.0}
@@ -73,6 +74,14 @@ FIXED_CASES = tuple(
     {"dtype": "bfloat16", "head_size": 128, "block_size": 16, "num_heads": 32, "num_kv_heads": 8,
      "seq_lens": [3072] + [2048] * 15, "query_lens": [1024] + [1] * 15, "causal": True, "extra_width": 0,
      "alibi": False, "q_scale": 1.0},
+    # A sliding-window decode over long sequences (split partitions from the window's first block) and a
+    # Gemma-2 step: window, soft cap and a chunk beside decodes.
+    {"dtype": "bfloat16", "head_size": 128, "block_size": 16, "num_heads": 32, "num_kv_heads": 8,
+     "seq_lens": [131072, 5000, 4097], "extra_width": 0, "alibi": False, "q_scale": 1.0, "window_size": 4096,
+     "sinks": True},
+    {"dtype": "bfloat16", "head_size": 256, "block_size": 16, "num_heads": 16, "num_kv_heads": 8,
+     "seq_lens": [6000] + [300] * 7, "query_lens": [2048] + [1] * 7, "causal": True, "extra_width": 0,
+     "alibi": False, "q_scale": 4.0, "window_size": 4096, "logits_soft_cap": 50.0},
 )
 
 
@@ -107,6 +116,10 @@ def draw_case(seed: int, index: int) -> dict:
     if rng.random() < 0.5:
         case["query_lens"] = _draw_query_lens(rng, seq_lens, num_heads * head_size)
         case["causal"] = rng.random() < 0.8
+    if rng.random() < 1 / 3:
+        case["window_size"] = rng.choice((None, 1, 7, 64, 1000, rng.randint(1, max(seq_lens))))
+        case["logits_soft_cap"] = rng.choice((None, 5.0, 30.0))
+        case["sinks"] = rng.random() < 0.5
     return case
 
 
@@ -163,6 +176,12 @@ def _make_inputs(case: dict, generator: torch.Generator) -> tuple[torch.Tensor, 
     first_page = torch.cumsum(pages, 0) - pages  # [num_seqs]
     page_in_seq = torch.arange(total_pages, device=dev) - first_page[seq_of_page]
     block_tables[seq_of_page, page_in_seq] = used
+    if case.get("window_size") is not None:
+        # Pages wholly before a sequence's first window are no query's: their entries point at NaN pages.
+        query_lens = torch.tensor(case.get("query_lens", [1] * num_seqs), device=dev)
+        first_key = lens - query_lens - case["window_size"] + 1  # [num_seqs]
+        before = (torch.arange(width, device=dev)[None, :] + 1) * block_size <= first_key[:, None]
+        block_tables = torch.where(before, spare[pick], block_tables)
     tokens = torch.zeros(num_blocks, dtype=torch.int64, device=dev)  # valid slots of each block
     tokens[used.long()] = (lens[seq_of_page] - page_in_seq * block_size).clamp(max=block_size)
     valid = torch.arange(block_size, device=dev)[None, :] < tokens[:, None]  # [num_blocks, block_size]
@@ -196,19 +215,24 @@ def run_case(case: dict, seed: int) -> dict:
     scale = head_size ** -0.5
     slopes = _alibi_slopes(case["num_heads"], query.device) if case["alibi"] else None
     query_start_loc, causal = _query_start_loc(case), case.get("causal", True)
+    sinks = (torch.randn(case["num_heads"], device=query.device, generator=generator) * 2
+             if case.get("sinks") else None)
+    variants = dict(window_size=case.get("window_size"), logits_soft_cap=case.get("logits_soft_cap"),
+                    sinks=sinks)
     expected = torch.empty(query.shape, dtype=torch.float32, device=query.device)
     paged_attention_reference(expected, query.float(), key_cache.float(), value_cache.float(), block_tables,
-                              seq_lens, scale, slopes, query_start_loc, causal)
+                              seq_lens, scale, slopes, query_start_loc, causal, **variants)
     out = torch.full_like(query, float("nan"))
     if not _extension.paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
-                                      slopes, query_start_loc, causal):
+                                      slopes, query_start_loc, causal, **variants):
         return {"ok": False, "detail": "the CUDA extension did not build"}
     torch.cuda.synchronize()
     atol, rtol = TOLERANCES[dtype]
     excess = ((out.float() - expected).abs() - rtol * expected.abs()) / atol  # <= 1 within tolerance
     nan_rows = int(out.isnan().any(-1).sum())
     worst = float(excess.nan_to_num(float("inf")).max()) if excess.numel() else 0.0
-    plan = _extension.launch_plan(query, key_cache, block_tables, query_start_loc)
+    plan = _extension.launch_plan(query, key_cache, block_tables, query_start_loc, causal,
+                                  case.get("window_size"))
     ok = nan_rows == 0 and worst <= 1.0
     return {"ok": ok, "detail": f"{nan_rows} NaN rows, error {worst:.2f} x tolerance, plan {plan}"}
 
@@ -230,9 +254,10 @@ def _summary(case: dict) -> str:
         q_lens = case["query_lens"]
         queries = (f", {sum(q_lens)} query tokens ({min(q_lens)}-{max(q_lens)} a sequence), "
                    f"causal {case['causal']}")
+    variants = "".join(f", {k} {case[k]}" for k in ("window_size", "logits_soft_cap", "sinks") if case.get(k))
     return (f"{case['dtype']} head {case['head_size']} block {case['block_size']} "
             f"{case['num_heads']}:{case['num_kv_heads']} {len(lens)} seqs of {min(lens)}-{max(lens)} tokens, "
-            f"table +{case['extra_width']}, alibi {case['alibi']}, q x{case['q_scale']}{queries}")
+            f"table +{case['extra_width']}, alibi {case['alibi']}, q x{case['q_scale']}{queries}{variants}")
 
 
 def test_paged_attention_fuzz() -> None:

@@ -13,6 +13,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -101,7 +102,8 @@ void check_launch(cudaError_t err, const char* what) {
 // The shape fields of the kernel arguments (all that planning reads; with query_start_loc, planning reads
 // only that it is set, never its values).
 void fill_shapes(tpkit_paged_attention_args* a, const at::Tensor& query, const at::Tensor& key_cache,
-                 const at::Tensor& block_tables, const std::optional<at::Tensor>& query_start_loc) {
+                 const at::Tensor& block_tables, const std::optional<at::Tensor>& query_start_loc,
+                 std::optional<int64_t> window_size) {
   a->dtype = to_tpkit_dtype(query.scalar_type());
   a->num_seqs = static_cast<int>(block_tables.size(0));
   a->num_query_rows = static_cast<int>(query.size(0));
@@ -112,6 +114,8 @@ void fill_shapes(tpkit_paged_attention_args* a, const at::Tensor& query, const a
   a->block_size = static_cast<int>(key_cache.size(1));
   a->num_kv_heads = static_cast<int>(key_cache.size(2));
   a->max_blocks_per_seq = static_cast<int>(block_tables.size(1));
+  // A window wider than the table is no window: every key is in it.
+  a->window_size = static_cast<int>(std::min<int64_t>(window_size.value_or(0), INT32_MAX));
 }
 
 // The caches' strides [num_blocks, block_size, num_kv_heads, head_size], in elements, into any kernel's
@@ -129,7 +133,8 @@ void fill_cache_strides(Args& a, const at::Tensor& key_cache, const at::Tensor& 
 // The launch configuration paged_attention would use for these shapes (for benchmarks and notes).
 std::map<std::string, int64_t> plan(const at::Tensor& query, const at::Tensor& key_cache,
                                     const at::Tensor& block_tables,
-                                    const std::optional<at::Tensor>& query_start_loc) {
+                                    const std::optional<at::Tensor>& query_start_loc, bool causal,
+                                    std::optional<int64_t> window_size) {
   TPKIT_CHECK_VALUE(query.is_cuda() && query.dim() == 3 && key_cache.dim() == 4 && block_tables.dim() == 2,
                     "plan (CUDA): expected CUDA query [num_seqs, num_heads, head_size], key_cache [num_blocks, "
                     "block_size, num_kv_heads, head_size] and block_tables [num_seqs, max_blocks_per_seq]");
@@ -137,7 +142,8 @@ std::map<std::string, int64_t> plan(const at::Tensor& query, const at::Tensor& k
   TPKIT_CHECK_VALUE(!query_start_loc.has_value() || query_start_loc->scalar_type() == at::kInt,
                     "plan (CUDA): expected int32 query_start_loc");
   tpkit_paged_attention_args a{};
-  fill_shapes(&a, query, key_cache, block_tables, query_start_loc);
+  fill_shapes(&a, query, key_cache, block_tables, query_start_loc, window_size);
+  a.causal = causal ? 1 : 0;
   check_launch(tpkit_paged_attention_plan(&a), "paged_attention planning");
   // The attention grid as the launchers build it: (KV heads x row groups, partitions, sequences) in decode,
   // (work tiles x KV heads x row groups, partitions, 1) with query_start_loc; clusters of cluster_size blocks
@@ -178,7 +184,9 @@ std::map<std::string, int64_t> device_limits(int64_t device) {
 void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                      double scale, const std::optional<at::Tensor>& alibi_slopes,
-                     const std::optional<at::Tensor>& query_start_loc, bool causal) {
+                     const std::optional<at::Tensor>& query_start_loc, bool causal,
+                     std::optional<int64_t> window_size, std::optional<double> logits_soft_cap,
+                     const std::optional<at::Tensor>& sinks) {
   const char* op = "paged_attention";
   const at::Device device = cuda_device(op, "query", query);
   const at::ScalarType scalar_type = query.scalar_type();
@@ -196,6 +204,12 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   if (query_start_loc.has_value()) {
     check_tensor(op, "query_start_loc", *query_start_loc, device, at::kInt, {num_seqs + 1});
   }
+  if (sinks.has_value()) check_tensor(op, "sinks", *sinks, device, at::kFloat, {num_heads});
+  TPKIT_CHECK_VALUE(window_size.value_or(1) >= 1, "paged_attention (CUDA): window_size: expected an int >= 1, got ",
+                    window_size.value_or(0));
+  TPKIT_CHECK_VALUE(std::isfinite(logits_soft_cap.value_or(1.0)) && logits_soft_cap.value_or(1.0) > 0,
+                    "paged_attention (CUDA): logits_soft_cap: expected a finite float > 0, got ",
+                    logits_soft_cap.value_or(0.0));
   const tpkit_dtype dtype = to_tpkit_dtype(scalar_type);
   TPKIT_CHECK_VALUE(tpkit_paged_attention_supported(dtype, static_cast<int>(head_size), static_cast<int>(block_size)),
                     "paged_attention (CUDA): head_size ", head_size, " with block_size ", block_size, " and dtype ",
@@ -224,9 +238,10 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   const at::Tensor o = rows_16b_aligned(out) ? out : at::empty_like(query, at::MemoryFormat::Contiguous);
   const at::Tensor bt = block_tables.stride(1) == 1 ? block_tables : block_tables.contiguous();
   const at::Tensor sl = seq_lens.contiguous();
-  std::optional<at::Tensor> slopes, starts;
+  std::optional<at::Tensor> slopes, starts, head_sinks;
   if (alibi_slopes.has_value()) slopes = alibi_slopes->contiguous();
   if (query_start_loc.has_value()) starts = query_start_loc->contiguous();
+  if (sinks.has_value()) head_sinks = sinks->contiguous();
 
   tpkit_paged_attention_args a{};
   a.out = o.data_ptr();
@@ -236,8 +251,10 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   a.block_tables = bt.data_ptr<int32_t>();
   a.seq_lens = sl.data_ptr<int32_t>();
   a.alibi_slopes = slopes.has_value() ? slopes->data_ptr<float>() : nullptr;
-  fill_shapes(&a, query, key_cache, bt, starts);
+  fill_shapes(&a, query, key_cache, bt, starts, window_size);
   a.causal = causal ? 1 : 0;
+  a.logits_soft_cap = static_cast<float>(logits_soft_cap.value_or(0.0));
+  a.sinks = head_sinks.has_value() ? head_sinks->data_ptr<float>() : nullptr;
   a.q_stride_seq = q.stride(0);
   a.q_stride_head = q.stride(1);
   a.o_stride_seq = o.stride(0);
@@ -575,9 +592,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Paged attention into `out` (see tpkit.ops.paged_attention).",
         py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
         py::arg("seq_lens"), py::arg("scale"), py::arg("alibi_slopes"), py::arg("query_start_loc") = py::none(),
-        py::arg("causal") = true);
+        py::arg("causal") = true, py::arg("window_size") = py::none(), py::arg("logits_soft_cap") = py::none(),
+        py::arg("sinks") = py::none());
   m.def("plan", &plan, "The launch configuration for these shapes: partitions, warps, stages, shared memory.",
-        py::arg("query"), py::arg("key_cache"), py::arg("block_tables"), py::arg("query_start_loc") = py::none());
+        py::arg("query"), py::arg("key_cache"), py::arg("block_tables"), py::arg("query_start_loc") = py::none(),
+        py::arg("causal") = true, py::arg("window_size") = py::none());
   m.def("device_limits", &device_limits, "The launch limits of a CUDA device (grid, block, shared memory, clusters).",
         py::arg("device"));
   m.def("is_supported", &tpkit_paged_attention_supported_int,

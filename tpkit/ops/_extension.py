@@ -45,7 +45,6 @@ _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 _lock = threading.Lock()
 _modules: dict[tuple[int, int], ModuleType | None] = {}
 _warned = False
-_warned_variants = False
 
 
 def extension_name(capability: tuple[int, int]) -> str:
@@ -124,19 +123,6 @@ def _warn_once(reason: str) -> None:
     )
 
 
-def _warn_variants_once() -> None:
-    global _warned_variants
-    if _warned_variants:
-        return
-    _warned_variants = True
-    warnings.warn(
-        "tpkit: paged_attention with window_size, logits_soft_cap or sinks has no CUDA kernel yet; it runs "
-        "the PyTorch implementation on the GPU, which is correct but far slower than the kernel.",
-        RuntimeWarning,
-        stacklevel=3,
-    )
-
-
 def _find_module(capability: tuple[int, int]) -> ModuleType | None:
     from torch.utils.cpp_extension import CUDA_HOME
 
@@ -192,15 +178,11 @@ def paged_attention(
     or None. Raises ValueError for a configuration the kernel does not support (the message lists what
     is). No host synchronisation and no allocation that depends on values: safe in CUDA graphs.
 
+    ``window_size``, ``logits_soft_cap`` and ``sinks`` (float32 ``[num_heads]``) as for the op.
+
     A float8 cache (``k_scale`` and ``v_scale`` given) has no kernel yet: False, and the PyTorch
     implementation dequantizes it on the GPU; the kernel's loads do not convert float8.
-
-    The kernel computes the plain softmax over all of a sequence's keys: a call with a sliding window, a
-    soft cap or sinks returns False (after a warning, once) and runs the PyTorch implementation.
     """
-    if window_size is not None or logits_soft_cap is not None or sinks is not None:
-        _warn_variants_once()
-        return False
     if k_scale is not None:
         return False
     module = _module_for(query.device)
@@ -211,7 +193,7 @@ def paged_attention(
         raise ValueError(f"paged_attention (CUDA): dtype {query.dtype}, head_size {head_size} and block_size "
                          f"{block_size} are not supported; supported: {module.supported_text()}")
     module.paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, float(scale),
-                           alibi_slopes, query_start_loc, causal)
+                           alibi_slopes, query_start_loc, causal, window_size, logits_soft_cap, sinks)
     return True
 
 
@@ -236,14 +218,17 @@ def reshape_and_cache(
 
 
 def launch_plan(query: torch.Tensor, key_cache: torch.Tensor, block_tables: torch.Tensor,
-                query_start_loc: torch.Tensor | None = None) -> dict[str, int] | None:
+                query_start_loc: torch.Tensor | None = None, causal: bool = True,
+                window_size: int | None = None) -> dict[str, int] | None:
     """The kernel's launch configuration for these shapes (split-K partitions, warps, pipeline stages,
     shared memory, the query tokens of a work tile ``tile_tokens``, and the attention grid: ``grid_x``,
     ``grid_y``, ``grid_z``, ``cluster_size``), as benchmarks report it; None when no kernel is available
-    here. Planning reads only the shapes (and the device), never ``query_start_loc``'s values, so expanded
-    (stride 0) tensors of any size serve."""
+    here. Planning reads only the shapes (and the device, and ``window_size`` with ``causal``: a window
+    bounds the keys a block reads), never ``query_start_loc``'s values, so expanded (stride 0) tensors of
+    any size serve."""
     module = _module_for(query.device)
-    return None if module is None else dict(module.plan(query, key_cache, block_tables, query_start_loc))
+    return None if module is None else dict(module.plan(query, key_cache, block_tables, query_start_loc,
+                                                        causal, window_size))
 
 
 def device_limits(device: torch.device) -> dict[str, int] | None:

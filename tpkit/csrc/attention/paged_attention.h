@@ -12,9 +12,10 @@
 extern "C" {
 #endif
 
-// Paged attention: out[t, h] = softmax(scale * q[t, h] . K[s, :e]^T (+ ALiBi)) V[s, :e] over the first e keys
+// Paged attention: out[t, h] = softmax(scale * q[t, h] . K[s, b:e]^T (+ ALiBi)) V[s, b:e] over keys b .. e - 1
 // of the sequence s that query row t belongs to, found through block_tables[s]. Query head h reads KV head
-// h / (num_heads / num_kv_heads).
+// h / (num_heads / num_kv_heads). b is 0, or with a window the row's position - window_size + 1 (at least 0).
+// logits_soft_cap caps the scaled scores before ALiBi; sinks add exp(sinks[h]) to each row's denominator.
 // - Decode (query_start_loc NULL): row t is sequence t's one query token, e = seq_lens[t].
 // - Several tokens a sequence: sequence s owns rows query_start_loc[s] .. query_start_loc[s + 1] - 1, the last
 //   q_len of its seq_lens[s] tokens; row j of them sees e = seq_lens[s] - q_len + j + 1 keys when causal
@@ -31,6 +32,9 @@ typedef struct {
   const float* alibi_slopes;    // [num_heads] or NULL
   const int32_t* query_start_loc;  // [num_seqs + 1] or NULL (decode)
   int causal;                   // with query_start_loc: 1 causal (bottom-right), 0 every key
+  int window_size;              // > 0: a row at position q sees keys from q - window_size + 1 on; 0: no window
+  float logits_soft_cap;        // > 0: scaled scores become cap * tanh(scores / cap) before ALiBi; 0: none
+  const float* sinks;           // [num_heads] or NULL: a logit a head that joins the softmax's denominator
   tpkit_dtype dtype;
   int num_seqs;                 // sequences (rows of block_tables)
   int num_query_rows;           // rows of query and out: num_seqs in decode, num_tokens with query_start_loc
@@ -66,6 +70,8 @@ typedef struct {
   int group_size;           // num_heads / num_kv_heads
   int block_size_log2;
   float scale_log2;         // scale * log2(e)
+  float soft_cap_scale;     // with logits_soft_cap: scale / cap (tanh's argument per raw score)
+  float soft_cap_log2;      // with logits_soft_cap: cap * log2(e) (tanh's value to the log2 domain); else 0
   // With query_start_loc: a sequence's query tokens are served in work tiles of tile_tokens tokens (each of
   // them with every query head of the block's row group); num_work_tiles bounds the batch's tiles from the
   // shapes (the grid's z; tiles past the batch's exit at once). Decode: 1 and num_seqs.

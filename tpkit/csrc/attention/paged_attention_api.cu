@@ -23,8 +23,7 @@ constexpr int kMinPartitionTiles = 2;
 
 void plan_partitions(tpkit_paged_attention_args* a, int concurrent_blocks, double write_cost,
                      uint32_t cluster_merges) {
-  const int64_t capacity = static_cast<int64_t>(a->max_blocks_per_seq) * a->block_size;
-  const int max_tiles = static_cast<int>(std::max<int64_t>(1, (capacity + kPlanTile - 1) / kPlanTile));
+  const int max_tiles = static_cast<int>(std::max<int64_t>(1, (key_span(a) + kPlanTile - 1) / kPlanTile));
   const double base = static_cast<double>(work_items(a)) * a->num_kv_heads * a->m_groups;
   const double slots = std::max(concurrent_blocks, 1);
   // No split when the unsplit grid already fills every slot: the blocks past the first wave still find the
@@ -76,9 +75,8 @@ cudaError_t fit_launch_limits(tpkit_paged_attention_args* a) {
   if (cluster > 1 && (!cluster_launch || cluster > kMaxClusterSize || grid.y % cluster != 0)) a->cluster_merge = 0;
   // A split whose merge grid (head groups, query rows) the device cannot launch runs unsplit.
   if (a->num_partitions > 1 && !a->cluster_merge && a->num_query_rows > grid_y) {
-    const int64_t capacity = static_cast<int64_t>(a->max_blocks_per_seq) * a->block_size;
     a->num_partitions = 1;
-    a->partition_size = static_cast<int>(std::max<int64_t>(1, (capacity + kPlanTile - 1) / kPlanTile) * kPlanTile);
+    a->partition_size = static_cast<int>(std::max<int64_t>(1, (key_span(a) + kPlanTile - 1) / kPlanTile) * kPlanTile);
   }
   const bool fits = a->num_partitions >= 1 && a->num_partitions <= kMaxPartitions && a->m_groups >= 1 &&
                     attention_grid_x(a) <= grid_x &&
@@ -121,7 +119,7 @@ const char* tpkit_paged_attention_supported_text(void) { return kSupportedText; 
 
 cudaError_t tpkit_paged_attention_plan(tpkit_paged_attention_args* a) {
   if (!tpkit_paged_attention_supported(a->dtype, a->head_size, a->block_size) || a->num_kv_heads <= 0 ||
-      a->num_heads % a->num_kv_heads != 0) {
+      a->num_heads % a->num_kv_heads != 0 || a->window_size < 0 || !(a->logits_soft_cap >= 0.f)) {
     return cudaErrorInvalidValue;
   }
   a->group_size = a->num_heads / a->num_kv_heads;
@@ -129,6 +127,9 @@ cudaError_t tpkit_paged_attention_plan(tpkit_paged_attention_args* a) {
   while ((1 << log2) < a->block_size) ++log2;
   a->block_size_log2 = log2;
   a->scale_log2 = a->scale * tpkit::kLog2e;
+  const bool capped = a->logits_soft_cap > 0.f;
+  a->soft_cap_scale = capped ? a->scale / a->logits_soft_cap : 0.f;
+  a->soft_cap_log2 = capped ? a->logits_soft_cap * tpkit::kLog2e : 0.f;
   a->cluster_merge = 0;
   a->tile_tokens = 1;
   a->num_work_tiles = a->num_seqs;

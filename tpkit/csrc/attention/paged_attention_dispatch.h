@@ -2,6 +2,7 @@
 // the paged_attention_<dtype>.cu instantiations). Torch-free.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include <cuda_runtime.h>
@@ -43,6 +44,15 @@ inline int64_t work_items(const tpkit_paged_attention_args* a) {
   const int64_t tiles = (static_cast<int64_t>(a->num_query_rows) + a->tile_tokens - 1) / a->tile_tokens;
   return tiles > a->num_seqs ? tiles : (a->num_query_rows < a->num_seqs ? a->num_query_rows : a->num_seqs);
 }
+// Keys one work item may read: the block table's capacity or, with a window, at most the window of its last
+// token, its other tokens and the rounding down to a KV block (keys_start). Tokens that are not causal see
+// every key from their window's start to the sequence's end: no bound but the table's.
+inline int64_t key_span(const tpkit_paged_attention_args* a) {
+  const int64_t capacity = static_cast<int64_t>(a->max_blocks_per_seq) * a->block_size;
+  if (a->window_size <= 0 || (a->query_start_loc != nullptr && !a->causal)) return capacity;
+  return std::min<int64_t>(capacity, static_cast<int64_t>(a->window_size) + a->tile_tokens + a->block_size - 2);
+}
+
 inline int attention_cluster_size(const tpkit_paged_attention_args* a) {
   return a->cluster_merge ? a->num_partitions : 1;
 }

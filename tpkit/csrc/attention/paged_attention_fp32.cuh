@@ -46,14 +46,15 @@ __global__ void __launch_bounds__(kFp32Threads) paged_attention_fp32_kernel(cons
   const int head0 = kv_head * p.group_size + first_head;
 
   // Clamped to the table's capacity: a bad length must not read past the sequence's table row.
-  QueryRows qr = multi ? tile_rows(p, coords.item, head0, group_heads) : decode_rows(coords.item, head0, group_heads);
+  QueryRows qr = multi ? tile_rows(p, coords.item, head0, group_heads) : decode_rows(p, coords.item, head0, group_heads);
   if (!multi) qr.set_seq_len(min(p.seq_lens[coords.item], p.max_blocks_per_seq << p.block_size_log2));
   if (qr.seq < 0) return;  // the whole block: past the batch's work tiles
   const int seq = qr.seq;
   const int rows_valid = qr.rows_valid;
   const int seq_len = qr.seq_len;
-  const int start = partition * p.partition_size;
+  const int start = partition * p.partition_size + keys_start(qr.first_pos, p.window_size, p.block_size_log2);
   const int end = min(start + p.partition_size, qr.key_end());
+  const int first_key = qr.key_begin();  // keys before it are no row's: never read
   const bool split = p.num_partitions > 1;
   // The merge kernel reads a decode sequence's partitions that hold tokens, and every partition of a row with
   // several tokens a sequence.
@@ -94,7 +95,7 @@ __global__ void __launch_bounds__(kFp32Threads) paged_attention_fp32_kernel(cons
       const int t = i / (HEAD / 4);
       const int c = i - t * (HEAD / 4);
       const int pos = tile_start + t;
-      const int page = pos < end ? __ldg(bt_row + (pos >> p.block_size_log2)) : -1;
+      const int page = pos < end && pos >= first_key ? __ldg(bt_row + (pos >> p.block_size_log2)) : -1;
       float4 kv = make_float4(0.f, 0.f, 0.f, 0.f);
       float4 vv = kv;
       if (static_cast<unsigned>(page) < static_cast<unsigned>(p.num_blocks)) {
@@ -120,8 +121,9 @@ __global__ void __launch_bounds__(kFp32Threads) paged_attention_fp32_kernel(cons
 #pragma unroll 8
       for (int d = 0; d < HEAD; ++d) dot = fmaf(q_row[d], k_row[d], dot);
       const int pos = tile_start + t;
-      p_s[i] = pos < min(end, qr.end(r)) ? fmaf(dot, p.scale_log2, slope_s[r] * (static_cast<float>(pos) - qr.position(r)))
-                                         : -INFINITY;
+      const float logit = p.soft_cap_log2 > 0.f ? p.soft_cap_log2 * tanhf(dot * p.soft_cap_scale) : dot * p.scale_log2;
+      const bool seen = pos < min(end, qr.end(r)) && pos >= qr.begin(r);
+      p_s[i] = seen ? fmaf(slope_s[r], static_cast<float>(pos) - qr.position(r), logit) : -INFINITY;
     }
     __syncthreads();
     // Online softmax, a warp per row.
@@ -161,10 +163,11 @@ __global__ void __launch_bounds__(kFp32Threads) paged_attention_fp32_kernel(cons
   for (int i = tid; i < rows_valid * HEAD; i += blockDim.x) {
     const int r = i / HEAD;
     const int d = i - r * HEAD;
-    const bool attended = min(end, qr.end(r)) > start;
-    const float sum = l_s[r];
-    const float val = attended ? o_s[i] / sum : 0.f;
+    const bool attended = qr.attends(r, start, end);
     const int head = qr.head(r);
+    // The sink joins the denominator once: here unsplit, else where the partitions merge.
+    const float sum = split ? l_s[r] : with_sink(l_s[r], m_s[r], sink_log2(p, head));
+    const float val = attended ? o_s[i] / sum : 0.f;
     if (!split) {
       float* out = static_cast<float*>(p.out) + qr.row(r) * p.o_stride_seq + static_cast<int64_t>(head) * p.o_stride_head;
       out[d] = val;

@@ -298,9 +298,9 @@ cudaError_t plan_wgmma(tpkit_paged_attention_args* a) {
 
 template <typename T, int HEAD>
 cudaError_t plan_mma(tpkit_paged_attention_args* a) {
-  // Block tables of 32 tiles or more: long blocks, unless the context is split.
-  const int64_t capacity = static_cast<int64_t>(a->max_blocks_per_seq) * a->block_size;
-  const bool long_tables = capacity >= 32 * kTileTokens;
+  // Blocks of 32 tiles or more (a table that long, or a window that wide): long blocks, unless the context is
+  // split.
+  const bool long_tables = key_span(a) >= 32 * kTileTokens;
   // Groups of more than 32 query heads (the two-slice configurations of the mma kernel), and every group on
   // long tables, take the warpgroup kernel where it is built and runs: its rows beyond the group are padding,
   // but its loop streams faster on long tables; on short ones (a few tiles a block) the mma kernel stays

@@ -8,6 +8,7 @@
 
 #include "common/dtype_traits.cuh"
 #include "attention/paged_attention.h"
+#include "attention/paged_attention_rows.cuh"
 #include "common/ptx.cuh"
 
 namespace tpkit {
@@ -37,10 +38,12 @@ __global__ void __launch_bounds__(kMergeThreads) paged_attention_merge_kernel(co
   // seq_lens is the op's input, not the attention grid's output: read while that grid drains. Clamped to
   // the table's capacity: a bad length must not read past the sequence's table row. With several tokens a
   // sequence every partition writes each of its rows.
+  // With a window a decode row's partitions start at the window's first block, as in the attention kernels.
   int used = p.num_partitions;
   if (p.query_start_loc == nullptr) {
     const int seq_len = min(p.seq_lens[query_row], p.max_blocks_per_seq << p.block_size_log2);
-    used = seq_len > 0 ? min(p.num_partitions, (seq_len + p.partition_size - 1) / p.partition_size) : 0;
+    const int keys = seq_len - keys_start(seq_len - 1, p.window_size, p.block_size_log2);
+    used = seq_len > 0 ? min(p.num_partitions, (keys + p.partition_size - 1) / p.partition_size) : 0;
   }
   // Every block waits, even one with nothing to merge: the grid must not finish before the attention grid.
   grid_wait_primary();
@@ -73,7 +76,7 @@ __global__ void __launch_bounds__(kMergeThreads) paged_attention_merge_kernel(co
     weights[i] = w;
     sum += w;
   }
-  sum = warp_reduce<false>(sum);
+  sum = with_sink(warp_reduce<false>(sum), mx, sink_log2(p, head));
   __syncwarp();  // publishes `weights` to the warp
   // At least one partition holds keys (used > 0): a NaN sum stays NaN rather than becoming zeros.
   const float inv = 1.f / sum;

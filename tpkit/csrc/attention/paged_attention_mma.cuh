@@ -66,35 +66,83 @@ struct MmaLayout {
 // SM) for 64-96, <= 168 (12 warps) for 112-128.
 constexpr int max_registers(int head) { return head <= 32 ? 80 : head <= 96 ? 128 : head <= 128 ? 168 : 255; }
 
+// A thread's two rows of S (row0, row1): the keys each sees (positions begin .. end - 1), its query position
+// (ALiBi's distances are measured from it) and its ALiBi slope (times log2 e; 0 without ALiBi).
+struct RowPair {
+  int begin0, begin1, end0, end1;
+  float q0, q1, slope0, slope1;
+};
+
+// How a raw score q . k becomes a log2-domain logit: times scale_log2, or with a soft cap (cap_log2 > 0)
+// cap_log2 * tanh(score * cap_scale), i.e. cap * tanh(scale * score / cap) times log2 e.
+struct ScoreMap {
+  float scale_log2, cap_scale, cap_log2;
+};
+
+__device__ __forceinline__ ScoreMap score_map(const tpkit_paged_attention_args& p) {
+  return {p.scale_log2, p.soft_cap_scale, p.soft_cap_log2};
+}
+
+// The RowPair of a thread's rows row0, row1 (ALiBi slope 0 for padding rows), their keys cut at the
+// partition's end.
+__device__ __forceinline__ RowPair row_pair(const tpkit_paged_attention_args& p, const QueryRows& qr, int row0,
+                                            int row1, int end) {
+  RowPair rp;
+  rp.begin0 = qr.begin(row0);
+  rp.begin1 = qr.begin(row1);
+  rp.end0 = min(end, qr.end(row0));
+  rp.end1 = min(end, qr.end(row1));
+  rp.q0 = qr.position(row0);
+  rp.q1 = qr.position(row1);
+  rp.slope0 = p.alibi_slopes != nullptr && row0 < qr.rows_valid ? p.alibi_slopes[qr.head(row0)] * kLog2e : 0.f;
+  rp.slope1 = p.alibi_slopes != nullptr && row1 < qr.rows_valid ? p.alibi_slopes[qr.head(row1)] * kLog2e : 0.f;
+  return rp;
+}
+
+
 // One step of the online softmax for a thread's two rows of S, held as NJ 8-column tiles in the mma
 // accumulator layout (elements 0 and 1 of a tile: row0 at columns 2c and 2c + 1 of the tile, c = lane & 3;
 // elements 2 and 3: row1, the same columns), which wgmma's m64 accumulators share warp by warp. Scores
-// go to the log2 domain with ALiBi (slopes already times log2 e, distances from the rows' query positions
-// q0, q1), positions at or past a row's end (end0, end1) are masked, then each becomes exp2(score - the row's
-// running max) in place, and the running max (m) and sum (l) are updated. pos_base: the position of this
-// thread's first column. Returns the factors (row0, row1) that the rows' output accumulators must be
-// multiplied by: exactly 1 once the max stops moving.
+// go to the log2 domain (map) with ALiBi, positions outside a row's keys are masked, then each becomes
+// exp2(score - the row's running max) in place, and the running max (m) and sum (l) are updated. pos_base:
+// the position of this thread's first column. Returns the factors (row0, row1) that the rows' output
+// accumulators must be multiplied by: exactly 1 once the max stops moving.
 template <int NJ>
-__device__ __forceinline__ float2 online_softmax_step(float (&s)[NJ][4], int pos_base, int end0, int end1,
-                                                      float scale_log2, float slope0, float slope1, float q0,
-                                                      float q1, float& m0, float& m1, float& l0, float& l1) {
-  // Most steps have no ALiBi and no masked column: the max is then taken of the raw scores (the same order
-  // for a positive scale) and the scale rides on the exp2's multiply-add, 4 instructions a score, not 9.
-  const bool raw =
-      slope0 == 0.f && slope1 == 0.f && scale_log2 > 0.f && pos_base + (NJ - 1) * 8 + 1 < min(end0, end1);
+__device__ __forceinline__ float2 online_softmax_step(float (&s)[NJ][4], int pos_base, const RowPair& rp,
+                                                      const ScoreMap& map, float& m0, float& m1, float& l0,
+                                                      float& l1) {
+  // Most steps have no ALiBi, no soft cap and no masked column: the max is then taken of the raw scores (the
+  // same order for a positive scale) and the scale rides on the exp2's multiply-add, 4 instructions a score,
+  // not 9.
+  const bool raw = rp.slope0 == 0.f && rp.slope1 == 0.f && map.scale_log2 > 0.f && map.cap_log2 == 0.f &&
+                   pos_base + (NJ - 1) * 8 + 1 < min(rp.end0, rp.end1) && pos_base >= max(rp.begin0, rp.begin1);
   if (!raw) {
+    // One branch for the whole step: the capped logits' tanh is not computed where there is no cap.
+    if (map.cap_log2 > 0.f) {
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[j][e] = map.cap_log2 * fast_tanh(s[j][e] * map.cap_scale);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[j][e] *= map.scale_log2;
+      }
+    }
 #pragma unroll
     for (int j = 0; j < NJ; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int pos = pos_base + j * 8 + (e & 1);
-        const float slope = e < 2 ? slope0 : slope1;
-        const float v = fmaf(s[j][e], scale_log2, slope * (static_cast<float>(pos) - (e < 2 ? q0 : q1)));
-        s[j][e] = pos < (e < 2 ? end0 : end1) ? v : -INFINITY;
+        const bool first = e < 2;
+        const float v = fmaf(first ? rp.slope0 : rp.slope1, static_cast<float>(pos) - (first ? rp.q0 : rp.q1), s[j][e]);
+        s[j][e] = pos < (first ? rp.end0 : rp.end1) && pos >= (first ? rp.begin0 : rp.begin1) ? v : -INFINITY;
       }
     }
   }
-  const float scale = raw ? scale_log2 : 1.f;
+  const float scale = raw ? map.scale_log2 : 1.f;
   float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
   for (int j = 0; j < NJ; ++j) {
@@ -155,9 +203,9 @@ __device__ __forceinline__ void prefetch_prologue(const T* q_rows, int64_t q_str
 // merge_in_cluster's work: a thread takes ITEMS items at a time, eight (partition, item) pairs whatever
 // the cluster's size (PARTS >= num_parts), and issues all their loads (every partition's log-sum-exp and
 // 16 bytes of values) before using any, so a round costs one round trip to the other blocks' shared memory.
-template <int HEAD, typename P, int PARTS, typename RowOut, typename OutRow>
+template <int HEAD, typename P, int PARTS, typename RowOut, typename OutRow, typename RowSink>
 __device__ __forceinline__ void merge_items(int num_parts, bool attended, int rows_valid, const float* row_lse,
-                                            RowOut row_out, OutRow out_row) {
+                                            RowOut row_out, OutRow out_row, RowSink row_sink) {
   constexpr int kPerLoad = 16 / static_cast<int>(sizeof(P));  // columns an item
   constexpr int kVecs = HEAD / kPerLoad;
   constexpr int ITEMS = kMaxClusterSize / PARTS;
@@ -204,9 +252,10 @@ __device__ __forceinline__ void merge_items(int num_parts, bool attended, int ro
           sum += w;
         }
       }
+      const int r = i / kVecs;
+      sum = with_sink(sum, mx, row_sink(r));
       // Zeros only where the sequence has no key: a NaN sum stays NaN.
       const float inv = attended ? 1.f / sum : 0.f;
-      const int r = i / kVecs;
       auto* out = out_row(r) + (i - r * kVecs) * kPerLoad;
 #pragma unroll
       for (int j = 0; j < kPerLoad; j += 4) {
@@ -222,18 +271,18 @@ __device__ __forceinline__ void merge_items(int num_parts, bool attended, int ro
 // 16 bytes of columns) item of the first rows_valid rows, reading every partition's values from that
 // partition's shared memory, and stores it to out_row(r). No float32 partials in global memory, no second
 // kernel. Every thread of every block of the cluster must call it. attended: the sequence has keys
-// (seq_len > 0); without, the output is zeros.
-template <int HEAD, typename P, typename RowOut, typename OutRow>
+// (seq_len > 0); without, the output is zeros. row_sink(r): row r's sink logit (log2 domain), -inf for none.
+template <int HEAD, typename P, typename RowOut, typename OutRow, typename RowSink>
 __device__ __forceinline__ void merge_in_cluster(int num_parts, bool attended, int rows_valid, const float* row_lse,
-                                                 RowOut row_out, OutRow out_row) {
+                                                 RowOut row_out, OutRow out_row, RowSink row_sink) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // clusters: Hopper and newer (the plan never asks before)
   cluster_sync_shared();  // every partition's row_out and row_lse are written
   if (num_parts <= 2) {
-    merge_items<HEAD, P, 2>(num_parts, attended, rows_valid, row_lse, row_out, out_row);
+    merge_items<HEAD, P, 2>(num_parts, attended, rows_valid, row_lse, row_out, out_row, row_sink);
   } else if (num_parts <= 4) {
-    merge_items<HEAD, P, 4>(num_parts, attended, rows_valid, row_lse, row_out, out_row);
+    merge_items<HEAD, P, 4>(num_parts, attended, rows_valid, row_lse, row_out, out_row, row_sink);
   } else {
-    merge_items<HEAD, P, kMaxClusterSize>(num_parts, attended, rows_valid, row_lse, row_out, out_row);
+    merge_items<HEAD, P, kMaxClusterSize>(num_parts, attended, rows_valid, row_lse, row_out, out_row, row_sink);
   }
   cluster_sync_exit();  // no block exits while another still reads its shared memory
 #endif
@@ -271,8 +320,9 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
   const int head0 = kv_head * p.group_size + first_head;
 
   const int capacity = p.max_blocks_per_seq << p.block_size_log2;
-  const int start = partition * p.partition_size;
-  const int table_end = min(start + p.partition_size, capacity);  // this partition's table entries
+  // This partition's keys and table entries (with a window, shifted to the window's first block below).
+  int start = partition * p.partition_size;
+  int table_end = min(start + p.partition_size, capacity);
   const int num_stages = p.num_stages;
   const int bs_log2 = p.block_size_log2;
   const int pages_per_tile = kTileTokens >> bs_log2;
@@ -287,6 +337,13 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
                                min(num_stages * pages_per_tile, (table_end - start) >> bs_log2));
   }, seq_len_read);
   if (qr.seq < 0) return;  // the whole block: past the batch's work tiles
+  if (p.window_size > 0) {
+    // A window's keys start near the sequence's end: the length is needed before the first table read.
+    if constexpr (!MULTI) qr.set_seq_len(min(seq_len_read, capacity));
+    start += keys_start(qr.first_pos, p.window_size, bs_log2);
+    table_end = min(start + p.partition_size, capacity);
+  }
+  const int first_key = qr.key_begin();  // keys before it are no row's: never copied (zero-filled)
   const int rows_valid = qr.rows_valid;
   const int* bt_row = p.block_tables + static_cast<int64_t>(qr.seq) * p.bt_stride;
 
@@ -354,6 +411,7 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
     // Otherwise each copy's token and chunk are recomputed, not kept in registers across the main loop.
     const unsigned loader = kFixedChunk ? static_cast<unsigned>(tid) : opaque_thread_index();
     const int tile_tokens = end - (start + tile * kTileTokens);  // tokens of this tile before the end
+    const int tile_skip = first_key - (start + tile * kTileTokens);  // tokens of this tile before the first
     const int* pages = page_s[tile % kPageRing];
     const uint64_t stream_policy = l2_evict_first_policy();
     const uint32_t k_dst = smem_addr(k_s + stage * kTileTokens * RS);
@@ -365,7 +423,8 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
         const int t = kFixedChunk ? static_cast<int>(loader / C) + it * (kLoaderThreads / C) : i / C;
         const int c = kFixedChunk ? static_cast<int>(loader % C) : i - t * C;
         const int page = pages[t >> bs_log2];
-        const bool valid = t < tile_tokens && static_cast<unsigned>(page) < static_cast<unsigned>(p.num_blocks);
+        const bool valid = t < tile_tokens && t >= tile_skip &&
+                           static_cast<unsigned>(page) < static_cast<unsigned>(p.num_blocks);
         // A masked token copies nothing (zero fill), from an address inside the cache: page 0's.
         const uint32_t page_index = valid ? static_cast<uint32_t>(page) : 0u;
         const uint32_t off = static_cast<uint32_t>(t & bs_mask);
@@ -400,14 +459,8 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
   const bool warp_active = warp_m * 16 < rows_valid;
   const int row0 = warp_m * 16 + (lane >> 2);  // this thread's two rows of the warp's 16-row tile
   const int row1 = row0 + 8;
-  float slope0 = 0.f, slope1 = 0.f;  // ALiBi slopes in the log2 domain (0: no ALiBi or padding row)
-  if (p.alibi_slopes != nullptr) {
-    if (row0 < rows_valid) slope0 = p.alibi_slopes[qr.head(row0)] * kLog2e;
-    if (row1 < rows_valid) slope1 = p.alibi_slopes[qr.head(row1)] * kLog2e;
-  }
-  // Each row's last key (past this partition's: end) and query position.
-  const int end0 = min(end, qr.end(row0)), end1 = min(end, qr.end(row1));
-  const float q_pos0 = qr.position(row0), q_pos1 = qr.position(row1);
+  const RowPair rp = row_pair(p, qr, row0, row1, end);
+  const ScoreMap map = score_map(p);
 
   uint32_t q_frag[L::kQueryInRegisters ? L::kKSteps : 1][4];
   // ldmatrix lane addresses: the lane's row (of an 8x8 matrix), its part of a step's chunk. Q: warp's rows.
@@ -474,8 +527,7 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
           }
         }
 
-        const float2 corr = online_softmax_step(s, tile_start + tok0 + ((lane & 3) << 1), end0, end1,
-                                                p.scale_log2, slope0, slope1, q_pos0, q_pos1, m0, m1, l0, l1);
+        const float2 corr = online_softmax_step(s, tile_start + tok0 + ((lane & 3) << 1), rp, map, m0, m1, l0, l1);
         const float corr0 = corr.x, corr1 = corr.y;
         // Once the running max settles, corrections are exactly 1: skip the rescale for the whole warp.
         if (__any_sync(0xffffffffu, corr0 != 1.f || corr1 != 1.f)) {
@@ -546,7 +598,8 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
       if (m != -INFINITY) sum += red_l[(wm * p.warps_n + wn) * 16 + r] * fast_exp2(m - mx);
     }
     row_m[tid] = mx;
-    row_l[tid] = sum;
+    // The sink joins the denominator once: here unsplit, else where the partitions merge.
+    row_l[tid] = !split && tid < rows_valid ? with_sink(sum, mx, sink_log2(p, qr.head(tid))) : sum;
   }
   __syncthreads();
   {
@@ -585,7 +638,7 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
     }
     const float sum = row_l[r];
     // Zeros only where the row sees no key of the partition: a NaN sum stays NaN.
-    const bool attended = min(end, qr.end(r)) > start;
+    const bool attended = qr.attends(r, start, end);
     const float inv = attended ? 1.f / sum : 0.f;
     acc.x *= inv;
     acc.y *= inv;
@@ -603,7 +656,10 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
       if (d == 0) p.tmp_lse[row_index] = attended ? row_m[r] + log2f(sum) : -INFINITY;
     }
   }
-  if (cluster) merge_in_cluster<HEAD, float>(p.num_partitions, seq_len > 0, rows_valid, row_lse, row_out, out_row);
+  if (cluster) {
+    merge_in_cluster<HEAD, float>(p.num_partitions, seq_len > 0, rows_valid, row_lse, row_out, out_row,
+                                  [&](int r) { return sink_log2(p, qr.head(r)); });
+  }
 }
 
 }  // namespace tpkit

@@ -1,4 +1,5 @@
-// The query rows a thread block of the attention kernels serves, and the keys each row sees. Torch-free.
+// The query rows a thread block of the attention kernels serves, the keys each row sees and the sink that
+// joins its softmax's denominator. Torch-free.
 //
 // A block serves one row group of one KV head over one partition of the keys (blockIdx.y) for one work item
 // (block_coords). Decode: item z is sequence z, its rows the row group's query heads of the sequence's one
@@ -7,6 +8,7 @@
 // head head0 + r % heads of the tile's token r / heads.
 #pragma once
 
+#include <math.h>
 #include <stdint.h>
 
 #include "attention/paged_attention.h"
@@ -42,16 +44,21 @@ struct QueryRows {
   int rows_valid;     // tokens * heads
   int first_pos;      // cache position of the first token (decode: seq_len - 1)
   int causal;         // 1: a token at position q sees keys 0 .. q; 0: every key of the sequence
+  int window;         // > 0: a token at position q sees no key before q - window + 1
   int seq_len;        // clamped to the block table's capacity
 
   __device__ int token(int r) const { return multi ? r / heads : 0; }
   __device__ int head(int r) const { return head0 + r - token(r) * heads; }
   __device__ int64_t row(int r) const { return first_row + token(r); }
-  // Keys row r attends to: positions 0 .. end(r) - 1.
+  // Keys row r attends to: positions begin(r) .. end(r) - 1.
+  __device__ int begin(int r) const { return window > 0 ? max(0, first_pos + token(r) - window + 1) : 0; }
   __device__ int end(int r) const { return causal ? first_pos + token(r) + 1 : seq_len; }
+  // Whether row r sees a key of positions start .. end - 1 (a partition's).
+  __device__ bool attends(int r, int start, int stop) const { return max(start, begin(r)) < min(stop, end(r)); }
   // Row r's query position (ALiBi's distances are measured from it).
   __device__ float position(int r) const { return static_cast<float>(first_pos + token(r)); }
-  // Keys the block reads: those its last token sees.
+  // Keys the block reads: from the first its first token sees to the last its last token sees.
+  __device__ int key_begin() const { return begin(0); }
   __device__ int key_end() const { return causal ? first_pos + tokens : seq_len; }
   // Decode: the sequence's length, once read (clamped to the table's capacity); its token stands last.
   __device__ void set_seq_len(int len) {
@@ -62,7 +69,8 @@ struct QueryRows {
 
 // Decode rows: `rows_valid` query heads from head0 of sequence `seq`'s token, which sees all its keys (the
 // length comes with set_seq_len).
-__device__ __forceinline__ QueryRows decode_rows(int seq, int head0, int rows_valid) {
+__device__ __forceinline__ QueryRows decode_rows(const tpkit_paged_attention_args& p, int seq, int head0,
+                                                 int rows_valid) {
   QueryRows q;
   q.seq = seq;
   q.multi = 0;
@@ -72,8 +80,16 @@ __device__ __forceinline__ QueryRows decode_rows(int seq, int head0, int rows_va
   q.tokens = 1;
   q.rows_valid = rows_valid;
   q.causal = 0;
+  q.window = p.window_size;
   q.set_seq_len(0);
   return q;
+}
+
+// Where a block's partitions of the keys start: 0, or with a window the first key the block's first row sees
+// (first_pos - window + 1), rounded down to a KV block so that every tile's pages start on block boundaries.
+// The merge kernel finds a decode row's partitions the same way.
+__device__ __forceinline__ int keys_start(int first_pos, int window, int block_size_log2) {
+  return window > 0 ? (max(0, first_pos - window + 1) >> block_size_log2) << block_size_log2 : 0;
 }
 
 __device__ __forceinline__ int work_tiles_of(int q_len, int tile_tokens) {
@@ -126,6 +142,7 @@ __device__ __forceinline__ QueryRows tile_rows(const tpkit_paged_attention_args&
   q.heads = heads;
   q.head0 = head0;
   q.causal = p.causal;
+  q.window = p.window_size;
   if (q.seq < 0) {
     q.first_row = 0;
     q.tokens = q.rows_valid = q.first_pos = q.seq_len = 0;
@@ -143,6 +160,16 @@ __device__ __forceinline__ QueryRows tile_rows(const tpkit_paged_attention_args&
   return q;
 }
 
+// Query head `head`'s sink logit in the log2 domain, -inf without sinks (it then adds nothing).
+__device__ __forceinline__ float sink_log2(const tpkit_paged_attention_args& p, int head) {
+  return p.sinks != nullptr ? p.sinks[head] * kLog2e : -INFINITY;
+}
+
+// A row's softmax denominator with its sink: the sum of exp2(logit - m) over its keys, plus exp2(sink - m).
+__device__ __forceinline__ float with_sink(float sum, float m, float sink) {
+  return sink != -INFINITY ? sum + fast_exp2(sink - m) : sum;
+}
+
 // The block's query rows, once its inputs are ready (griddepcontrol.wait: every input may come from the kernel
 // before, launched as a programmatic dependent). Decode: `prefetch` first asks L2 for what the prologue reads,
 // and the sequence's length is the first read after the wait, into seq_len_read, for set_seq_len once the
@@ -158,7 +185,7 @@ __device__ __forceinline__ QueryRows start_rows(const tpkit_paged_attention_args
     prefetch(coords.item);
     grid_wait_primary();
     seq_len_read = p.seq_lens[coords.item];
-    return decode_rows(coords.item, head0, heads);
+    return decode_rows(p, coords.item, head0, heads);
   }
 }
 

@@ -92,8 +92,9 @@ __global__ void __launch_bounds__(kWgmmaThreads * WARPGROUPS, WARPGROUPS == 1 ? 
   const int head0 = kv_head * p.group_size + first_head;
 
   const int capacity = p.max_blocks_per_seq << p.block_size_log2;
-  const int start = partition * p.partition_size;
-  const int table_end = min(start + p.partition_size, capacity);
+  // This partition's keys and table entries (with a window, shifted to the window's first block below).
+  int start = partition * p.partition_size;
+  int table_end = min(start + p.partition_size, capacity);
   const int num_stages = p.num_stages;
   const uint32_t kv_s = kv_s0 + stream * num_stages * kStageBytes;  // this stream's stages
 
@@ -111,6 +112,13 @@ __global__ void __launch_bounds__(kWgmmaThreads * WARPGROUPS, WARPGROUPS == 1 ? 
         min(num_stages * WARPGROUPS * pages_per_tile, (table_end - start) >> bs_log2));
   }, seq_len_read);
   if (qr.seq < 0) return;  // the whole block: past the batch's work tiles
+  if (p.window_size > 0) {
+    // A window's keys start near the sequence's end: the length is needed before the first table read.
+    if constexpr (!MULTI) qr.set_seq_len(min(seq_len_read, capacity));
+    start += keys_start(qr.first_pos, p.window_size, bs_log2);
+    table_end = min(start + p.partition_size, capacity);
+  }
+  const int first_key = qr.key_begin();  // keys before it are no row's: never copied (zero-filled)
   const int rows_valid = qr.rows_valid;
   const int* bt_row = p.block_tables + static_cast<int64_t>(qr.seq) * p.bt_stride;
 
@@ -160,7 +168,9 @@ __global__ void __launch_bounds__(kWgmmaThreads * WARPGROUPS, WARPGROUPS == 1 ? 
 
   // Copies tile `tile` (64 tokens of K and V) into pipeline stage `stage`; zero-fills masked tokens.
   auto issue_tile = [&](int tile, int stage) {
-    const int tile_tokens = end - (start + (tile * kStreams + stream) * kTileTokens);
+    const int tile_first = start + (tile * kStreams + stream) * kTileTokens;
+    const int tile_tokens = end - tile_first;     // tokens of this tile before the end
+    const int tile_skip = first_key - tile_first;  // and before the first key
     const int* pages = page_ring[tile % kPageRing];
     const uint64_t stream_policy = l2_evict_first_policy();
     const uint32_t k_dst = kv_s + stage * kStageBytes;
@@ -168,7 +178,8 @@ __global__ void __launch_bounds__(kWgmmaThreads * WARPGROUPS, WARPGROUPS == 1 ? 
     for (int it = 0; it < kLoadIters; ++it) {
       const int t = loader / C + it * (kLoaders / C);
       const int page = pages[t >> bs_log2];
-      const bool valid = t < tile_tokens && static_cast<unsigned>(page) < static_cast<unsigned>(p.num_blocks);
+      const bool valid = t < tile_tokens && t >= tile_skip &&
+                         static_cast<unsigned>(page) < static_cast<unsigned>(p.num_blocks);
       const uint32_t page_index = valid ? static_cast<uint32_t>(page) : 0u;
       const uint32_t off = static_cast<uint32_t>(t & bs_mask);
       const void* ksrc =
@@ -207,14 +218,8 @@ __global__ void __launch_bounds__(kWgmmaThreads * WARPGROUPS, WARPGROUPS == 1 ? 
 
   const int row0 = (kRowSplit ? wg * kWgmmaRows : 0) + warp * 16 + (lane >> 2);  // this thread's two rows
   const int row1 = row0 + 8;
-  float slope0 = 0.f, slope1 = 0.f;
-  if (p.alibi_slopes != nullptr) {
-    if (row0 < rows_valid) slope0 = p.alibi_slopes[qr.head(row0)] * kLog2e;
-    if (row1 < rows_valid) slope1 = p.alibi_slopes[qr.head(row1)] * kLog2e;
-  }
-  // Each row's last key (past this partition's: end) and query position.
-  const int end0 = min(end, qr.end(row0)), end1 = min(end, qr.end(row1));
-  const float q_pos0 = qr.position(row0), q_pos1 = qr.position(row1);
+  const RowPair rp = row_pair(p, qr, row0, row1, end);
+  const ScoreMap map = score_map(p);
 
   float o[64];  // 16 column tiles of 8 x (row0: 2 values, row1: 2 values)
 #pragma unroll
@@ -258,8 +263,8 @@ __global__ void __launch_bounds__(kWgmmaThreads * WARPGROUPS, WARPGROUPS == 1 ? 
       wgmma_wait<0>();
 
       // S's accumulators are 8 column tiles of the mma layout, which the online softmax takes as [8][4].
-      const float2 corr = online_softmax_step(reinterpret_cast<float(&)[8][4]>(s), tile_start + ((lane & 3) << 1), end0,
-                                              end1, p.scale_log2, slope0, slope1, q_pos0, q_pos1, m0, m1, l0, l1);
+      const float2 corr = online_softmax_step(reinterpret_cast<float(&)[8][4]>(s), tile_start + ((lane & 3) << 1), rp,
+                                              map, m0, m1, l0, l1);
       const float corr0 = corr.x, corr1 = corr.y;
       if (__any_sync(0xffffffffu, corr0 != 1.f || corr1 != 1.f)) {
 #pragma unroll
@@ -346,11 +351,13 @@ __global__ void __launch_bounds__(kWgmmaThreads * WARPGROUPS, WARPGROUPS == 1 ? 
   for (int half = 0; half < 2 && (kRowSplit || wg == 0); ++half) {
     const int r = half == 0 ? row0 : row1;
     if (r >= rows_valid) continue;
-    const float sum = half == 0 ? l0 : l1;
+    const float m = half == 0 ? m0 : m1;
+    // The sink joins the denominator once: here unsplit, else where the partitions merge.
+    const float sum = split ? (half == 0 ? l0 : l1) : with_sink(half == 0 ? l0 : l1, m, sink_log2(p, qr.head(r)));
     // Zeros only where the row sees no key of the partition: a NaN sum stays NaN.
-    const bool attended = (half == 0 ? end0 : end1) > start;
+    const bool attended = qr.attends(r, start, end);
     const float inv = attended ? 1.f / sum : 0.f;
-    const float lse = attended ? (half == 0 ? m0 : m1) + log2f(sum) : -INFINITY;
+    const float lse = attended ? m + log2f(sum) : -INFINITY;
     if (!split) {
       T* out = out_row(r);
 #pragma unroll
@@ -380,7 +387,8 @@ __global__ void __launch_bounds__(kWgmmaThreads * WARPGROUPS, WARPGROUPS == 1 ? 
   }
   if (cluster) {
     merge_in_cluster<kWgmmaHead, T>(p.num_partitions, seq_len > 0, rows_valid, row_lse,
-                                    [&](int r) { return partial + r * kPartialStride; }, out_row);
+                                    [&](int r) { return partial + r * kPartialStride; }, out_row,
+                                    [&](int r) { return sink_log2(p, qr.head(r)); });
   }
 #else
   __trap();
