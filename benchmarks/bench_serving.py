@@ -7,6 +7,18 @@ per request), the inter-token latencies (ITL), each mean, median and p99 in ms, 
 token throughput. Llama-3-8B shapes (prompts of 128-1024 tokens, 256 new tokens) or BART-large-cnn's
 (prompts of 60-70 tokens, 32-128 new tokens), random bf16 weights, EOS ignored; ``--num-requests`` requests
 from ``random.Random(0)``. ``--small``: a small model on the CPU, a few requests (a smoke test).
+
+BART runs two ways on the same weights and the same requests, printed side by side with their ratios:
+``cross``, tpkit's model with ``QKVCrossParallelLinear`` (q from the decoder states; k and v from the
+encoder states, once, when a request starts), and ``naive``, its cross projections replaced by
+bench_latency's ``NaiveCrossQKV`` (the full fused QKV projection of the decoder states in every step, q
+kept, and of the encoder states when a request starts, k and v kept). The last line gives the mean TPOT
+ratio cross / naive per rate and whether it is at most 1 at every rate. Each way has its own model and
+engine with the same KV budget; at each rate both serve, taking turns to go first. Their tokens are compared
+(the fraction of equal tokens: below 1 only where bf16 rounding tips a greedy choice).
+
+Before timing, each engine serves one batch of every size it captures a CUDA graph for, so that no capture
+falls into a timed run.
 """
 
 from __future__ import annotations
@@ -17,18 +29,26 @@ import statistics
 import time
 
 import torch
-from bench_latency import BART_LARGE, LLAMA3_8B, SMALL_LLAMA
+from bench_latency import BART_LARGE, LLAMA3_8B, SMALL_LLAMA, NaiveCrossQKV, _agreement
 
 from tpkit.models import BartForConditionalGeneration, LlamaForCausalLM
+from tpkit.models.generation import PagedLM
 from tpkit.parallel_layers import TPGroup
 from tpkit.serving import Engine, SamplingParams
 
 SMALL_BART = BART_LARGE | {"vocab_size": 1024, "d_model": 128, "encoder_layers": 2, "decoder_layers": 2,
                            "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 256,
                            "decoder_ffn_dim": 256, "max_position_embeddings": 256}
+KV_CACHE_FRACTION = 0.9  # of the GPU memory free after the weights, split evenly among the ways' engines
+CPU_KV_CACHE_BYTES = 64 << 20
+LATENCIES = ("TTFT", "TPOT", "ITL")
+STATISTICS = ("mean", "median", "p99")
+THROUGHPUTS = ("requests/s", "output tokens/s")
+
+Work = list[tuple[float, list[int], int]]
 
 
-def _workload(args: argparse.Namespace, vocab_size: int) -> list[tuple[float, list[int], int]]:
+def _workload(args: argparse.Namespace, vocab_size: int) -> Work:
     """(arrival offset in s, prompt, new tokens) per request: exponential gaps at ``args.rate``."""
     rng = random.Random(0)
     if args.model == "bart":
@@ -45,35 +65,81 @@ def _workload(args: argparse.Namespace, vocab_size: int) -> list[tuple[float, li
     return work
 
 
-def serve(engine: Engine, work: list[tuple[float, list[int], int]]) -> dict:
-    """Feed the requests at their arrival times, step until all are done; latency statistics."""
-    start, pending, finished = time.perf_counter(), list(work), []
+def serve(engine: Engine, work: Work) -> dict:
+    """Feed the requests at their arrival times, step until all are done. Each latency's mean, median and
+    p99 in seconds, the throughputs, and every request's tokens in arrival order."""
+    start, pending, finished, ids = time.perf_counter(), list(work), {}, []
     while pending or engine.has_unfinished_requests():
         now = time.perf_counter() - start
         while pending and pending[0][0] <= now:
             _, prompt, new_tokens = pending.pop(0)
-            engine.add_request(prompt, SamplingParams(new_tokens, ignore_eos=True))
+            ids.append(engine.add_request(prompt, SamplingParams(new_tokens, ignore_eos=True)))
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, pending[0][0] - now))
             continue
-        finished += [out for out in engine.step() if out.finished]
+        finished |= {out.request_id: out for out in engine.step() if out.finished}
     duration = time.perf_counter() - start
-    ttft = [o.first_token_time - o.arrival_time for o in finished]
-    tpot = [(o.token_times[-1] - o.token_times[0]) / (len(o.token_times) - 1) for o in finished
+    outputs = [finished[i] for i in ids]
+    ttft = [o.first_token_time - o.arrival_time for o in outputs]
+    tpot = [(o.token_times[-1] - o.token_times[0]) / (len(o.token_times) - 1) for o in outputs
             if len(o.token_times) > 1]
-    itl = [b - a for o in finished for a, b in zip(o.token_times, o.token_times[1:], strict=False)]
-    tokens = sum(len(o.token_ids) for o in finished)
-    return {"requests/s": len(finished) / duration, "output tokens/s": tokens / duration,
-            **{name: _summary(values) for name, values in (("TTFT", ttft), ("TPOT", tpot), ("ITL", itl))}}
+    itl = [b - a for o in outputs for a, b in zip(o.token_times, o.token_times[1:], strict=False)]
+    num_tokens = sum(len(o.token_ids) for o in outputs)
+    return {"requests/s": len(outputs) / duration, "output tokens/s": num_tokens / duration,
+            **{name: _summary(values) for name, values in zip(LATENCIES, (ttft, tpot, itl), strict=True)},
+            "tokens": [o.token_ids for o in outputs]}
 
 
-def _summary(seconds: list[float]) -> str:
+def _summary(seconds: list[float]) -> dict[str, float]:
     if not seconds:
-        return "-"
+        return dict.fromkeys(STATISTICS, float("nan"))
     ordered = sorted(seconds)
     p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
-    mean, median = statistics.fmean(ordered), statistics.median(ordered)
-    return f"mean {mean * 1e3:.1f} ms, median {median * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms"
+    return {"mean": statistics.fmean(ordered), "median": statistics.median(ordered), "p99": p99}
+
+
+def _models(args: argparse.Namespace, config: dict, dtype: torch.dtype, device: torch.device
+            ) -> dict[str, PagedLM]:
+    """The model of each way, by name: Llama's one, or BART's cross and naive on the same weights."""
+    single = TPGroup(None, 0, 1)
+    if args.model == "llama":
+        torch.manual_seed(0)
+        return {"llama": LlamaForCausalLM(config, dtype=dtype, device=device, tp_group=single).eval()}
+    models = {}
+    for way in ("cross", "naive"):
+        torch.manual_seed(0)  # the same weights both ways
+        model = BartForConditionalGeneration(config, dtype=dtype, device=device, tp_group=single).eval()
+        if way == "naive":
+            for layer in model.decoder.layers:
+                layer.encoder_attn.qkv_proj = NaiveCrossQKV(layer.encoder_attn.qkv_proj)
+        models[way] = model
+    return models
+
+
+def _warm_up(engine: Engine) -> None:
+    """A decode step of every batch size the engine replays a CUDA graph for (one request off a GPU)."""
+    for size in engine.runner.graph_sizes or [1]:
+        engine.generate([[5] * 8] * size, SamplingParams(2, ignore_eos=True))
+
+
+def _print_rate(model: str, rate: float, num_requests: int, results: dict[str, dict]) -> None:
+    """One rate's table: a column per way and, for two ways, their ratio."""
+    ways = list(results)
+    ratio = len(ways) == 2
+    header = f"| {'':<18} | " + " | ".join(f"{way:>10}" for way in ways) + " |"
+    header += f" {' / '.join(ways):>13} |" if ratio else ""
+    print(f"{model}, {rate:g} requests/s arriving, {num_requests} requests:")
+    print(header)
+    print("|" + "|".join("-" * len(cell) for cell in header.split("|")[1:-1]) + "|")
+    rows = [(f"{name} {stat} ms", [r[name][stat] * 1e3 for r in results.values()])
+            for name in LATENCIES for stat in STATISTICS]
+    rows += [(name, [r[name] for r in results.values()]) for name in THROUGHPUTS]
+    for label, values in rows:
+        line = f"| {label:<18} | " + " | ".join(f"{v:>10.2f}" for v in values) + " |"
+        print(line + (f" {values[0] / values[1]:>13.3f} |" if ratio else ""))
+    if ratio:
+        tokens = [r["tokens"] for r in results.values()]
+        print(f"same tokens both ways: {_agreement(tokens[0], tokens[1]):.3f}")
 
 
 def main() -> None:
@@ -88,20 +154,31 @@ def main() -> None:
     cuda = torch.cuda.is_available() and not args.small
     device = torch.device("cuda" if cuda else "cpu")
     if args.model == "bart":
-        model_class, config = BartForConditionalGeneration, SMALL_BART if args.small else BART_LARGE
+        config = SMALL_BART if args.small else BART_LARGE
     else:
-        model_class, config = LlamaForCausalLM, SMALL_LLAMA if args.small else LLAMA3_8B
-    torch.manual_seed(0)
-    model = model_class(config, dtype=torch.bfloat16 if cuda else torch.float32, device=device,
-                        tp_group=TPGroup(None, 0, 1)).eval()
-    engine = Engine(model, kv_cache_memory=0.9 if cuda else 64 << 20)
-    engine.generate([[5] * 8], SamplingParams(2, ignore_eos=True))  # warm-up
-    for rate in (float(r) for r in args.rates.split(",")):
+        config = SMALL_LLAMA if args.small else LLAMA3_8B
+    models = _models(args, config, torch.bfloat16 if cuda else torch.float32, device)
+    # Bytes, not a fraction: a fraction would give the engine built second less than the first.
+    budget = int(torch.cuda.mem_get_info(device)[0] * KV_CACHE_FRACTION / len(models)) if cuda \
+        else CPU_KV_CACHE_BYTES
+    engines = {way: Engine(model, kv_cache_memory=budget) for way, model in models.items()}
+    for engine in engines.values():
+        _warm_up(engine)
+    tpot_ratios = {}
+    for turn, rate in enumerate(float(r) for r in args.rates.split(",")):
         args.rate = rate
-        results = serve(engine, _workload(args, config["vocab_size"]))
-        print(f"{args.model}, {rate:g} requests/s arriving, {args.num_requests} requests:")
-        for name, value in results.items():
-            print(f"  {name}: {value:.2f}" if isinstance(value, float) else f"  {name}: {value}")
+        work = _workload(args, config["vocab_size"])
+        order = list(engines) if turn % 2 == 0 else list(engines)[::-1]
+        results = {way: serve(engines[way], work) for way in order}
+        results = {way: results[way] for way in engines}  # printed in a fixed order
+        _print_rate(args.model, rate, args.num_requests, results)
+        if len(results) == 2:
+            tpot_ratios[rate] = results["cross"]["TPOT"]["mean"] / results["naive"]["TPOT"]["mean"]
+    if tpot_ratios:
+        by_rate = ", ".join(f"{rate:g}/s {ratio:.3f}" for rate, ratio in tpot_ratios.items())
+        verdict = "yes" if all(ratio <= 1.0 for ratio in tpot_ratios.values()) else "no"
+        print(f"mean TPOT cross / naive by arrival rate: {by_rate}; cross no worse than naive at every rate: "
+              f"{verdict}")
 
 
 if __name__ == "__main__":

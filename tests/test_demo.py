@@ -42,6 +42,8 @@ def test_demo_runs_sharded_and_matches_transformers():
     assert "tp_size 2 on cpu" in out
     assert "transformers check: tokens identical for all 6 prompts" in out
     assert "tokens/s" in out
+    # The engine's tokens equal generate's, and so transformers'.
+    assert "Engine (continuous batching): " in out and "tokens identical to generate" in out
     # Both ranks report their shard and KV cache blocks.
     rows = [line.split() for line in out.splitlines() if line.strip().startswith(("0 ", "1 "))]
     assert [row[0] for row in rows] == ["0", "1"] and all("self:" in row for row in rows)

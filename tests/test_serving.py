@@ -1,7 +1,8 @@
 """tpkit.serving's Engine: greedy tokens equal transformers' per prompt whatever the batching (a KV budget
 small enough to preempt, chunked prefill of 16 tokens, shared prefixes, requests added while others run), at
-tp_size 1 and 2, for Llama, GPT-BigCode and BART; seeded sampling reproducible and independent of batching;
-stop tokens, abort, and bad input refused before anything is queued.
+tp_size 1, 2 and 4 (at 4, Llama's 2 KV heads and GPT-BigCode's one are replicated), for Llama, GPT-BigCode
+and BART; seeded sampling reproducible and independent of batching; stop tokens, abort, and bad input refused
+before anything is queued.
 """
 
 from __future__ import annotations
@@ -113,6 +114,9 @@ ALL_WAYS = ["plain", "tight", "chunked", "tight chunked", "streamed", "no prefix
     ("bart", 1, ["plain", "tight", "streamed"]),
     ("llama", 2, ["tight chunked"]),
     ("bart", 2, ["tight"]),
+    ("llama", 4, ["tight chunked"]),
+    ("gpt_bigcode", 4, ["tight chunked"]),
+    ("bart", 4, ["tight"]),
 ])
 def test_greedy_tokens_are_transformers_whatever_the_batching(ranks, checkpoints, name, tp_size, ways):
     path, ref_tokens = checkpoints(name)
