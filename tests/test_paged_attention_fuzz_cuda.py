@@ -5,7 +5,9 @@ from 1 to 64 (powers of two or not), 1-8 KV heads, 1-1024 sequences with ragged 
 tokens (under a budget of cache elements), a block table as wide as needed or wider, ALiBi or not, and
 queries scaled for flat or peaked scores, and for half the cases several query tokens a sequence
 (``query_start_loc``: per sequence none, one, a few speculative ones, a chunk after a cached prefix or the
-whole sequence, mixed in one batch; causal or not), and for a third of the cases the variants: a sliding
+whole sequence, mixed in one batch; causal or not), for a quarter of the 16-bit cases of head sizes that are
+multiples of 16 a float8 cache (E4M3 or E5M2, one scale or one a KV head; the reference reads the same
+stored values, dequantized), and for a third of the cases the variants: a sliding
 window (whose earlier blocks' table entries then point at NaN pages), a logit soft cap, sinks. The cache
 holds random K/V for every token of every sequence and NaN everywhere else (unused slots, spare pages,
 which the unused table entries point at), and the output starts as NaN: a read outside a sequence, or a
@@ -82,6 +84,13 @@ FIXED_CASES = tuple(
     {"dtype": "bfloat16", "head_size": 256, "block_size": 16, "num_heads": 16, "num_kv_heads": 8,
      "seq_lens": [6000] + [300] * 7, "query_lens": [2048] + [1] * 7, "causal": True, "extra_width": 0,
      "alibi": False, "q_scale": 4.0, "window_size": 4096, "logits_soft_cap": 50.0},
+    # Float8 caches: a long decode split into partitions, and a chunk beside decodes.
+    {"dtype": "bfloat16", "head_size": 128, "block_size": 16, "num_heads": 32, "num_kv_heads": 8,
+     "seq_lens": [65536, 300, 4097], "extra_width": 0, "alibi": False, "q_scale": 1.0,
+     "kv_dtype": "float8_e4m3fn", "kv_scale_per_head": True},
+    {"dtype": "float16", "head_size": 64, "block_size": 32, "num_heads": 16, "num_kv_heads": 2,
+     "seq_lens": [3000] + [200] * 7, "query_lens": [1000] + [1] * 7, "causal": True, "extra_width": 0,
+     "alibi": True, "q_scale": 1.0, "kv_dtype": "float8_e5m2", "kv_scale_per_head": False},
 )
 
 
@@ -116,6 +125,9 @@ def draw_case(seed: int, index: int) -> dict:
     if rng.random() < 0.5:
         case["query_lens"] = _draw_query_lens(rng, seq_lens, num_heads * head_size)
         case["causal"] = rng.random() < 0.8
+    if case["dtype"] != "float32" and head_size % 16 == 0 and rng.random() < 0.25:
+        case["kv_dtype"] = rng.choice(("float8_e4m3fn", "float8_e5m2"))
+        case["kv_scale_per_head"] = rng.random() < 0.5
     if rng.random() < 1 / 3:
         case["window_size"] = rng.choice((None, 1, 7, 64, 1000, rng.randint(1, max(seq_lens))))
         case["logits_soft_cap"] = rng.choice((None, 5.0, 30.0))
@@ -194,6 +206,21 @@ def _make_inputs(case: dict, generator: torch.Generator) -> tuple[torch.Tensor, 
     return query, caches[0], caches[1], block_tables, lens.to(torch.int32)
 
 
+def _quantized(case: dict, caches: tuple[torch.Tensor, torch.Tensor], generator: torch.Generator
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """A float8 case's caches quantized with random scales (one, or one a KV head; NaN stays NaN), and the
+    scales; a 16-bit case's caches as they are and no scales."""
+    from tpkit.ops.paged_attention_reference import quantize_kv
+
+    if "kv_dtype" not in case:
+        return caches[0], caches[1], None, None
+    kv_dtype = getattr(torch, case["kv_dtype"])
+    shape = (case["num_kv_heads"],) if case["kv_scale_per_head"] else ()
+    scales = [torch.rand(shape, device="cuda", generator=generator) * 0.05 + 0.005 for _ in range(2)]
+    return (quantize_kv(caches[0], scales[0], kv_dtype), quantize_kv(caches[1], scales[1], kv_dtype),
+            scales[0], scales[1])
+
+
 def _query_start_loc(case: dict) -> torch.Tensor | None:
     """int32 [num_seqs + 1] on the GPU for a case with several query tokens a sequence, else None."""
     if "query_lens" not in case:
@@ -211,6 +238,7 @@ def run_case(case: dict, seed: int) -> dict:
 
     generator = torch.Generator(device="cuda").manual_seed(seed)
     query, key_cache, value_cache, block_tables, seq_lens = _make_inputs(case, generator)
+    key_cache, value_cache, k_scale, v_scale = _quantized(case, (key_cache, value_cache), generator)
     dtype, head_size = query.dtype, case["head_size"]
     scale = head_size ** -0.5
     slopes = _alibi_slopes(case["num_heads"], query.device) if case["alibi"] else None
@@ -220,11 +248,12 @@ def run_case(case: dict, seed: int) -> dict:
     variants = dict(window_size=case.get("window_size"), logits_soft_cap=case.get("logits_soft_cap"),
                     sinks=sinks)
     expected = torch.empty(query.shape, dtype=torch.float32, device=query.device)
-    paged_attention_reference(expected, query.float(), key_cache.float(), value_cache.float(), block_tables,
-                              seq_lens, scale, slopes, query_start_loc, causal, **variants)
+    kv = (key_cache, value_cache) if k_scale is not None else (key_cache.float(), value_cache.float())
+    paged_attention_reference(expected, query.float(), *kv, block_tables, seq_lens, scale, slopes,
+                              query_start_loc, causal, k_scale, v_scale, **variants)
     out = torch.full_like(query, float("nan"))
     if not _extension.paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
-                                      slopes, query_start_loc, causal, **variants):
+                                      slopes, query_start_loc, causal, k_scale, v_scale, **variants):
         return {"ok": False, "detail": "the CUDA extension did not build"}
     torch.cuda.synchronize()
     atol, rtol = TOLERANCES[dtype]
@@ -254,7 +283,8 @@ def _summary(case: dict) -> str:
         q_lens = case["query_lens"]
         queries = (f", {sum(q_lens)} query tokens ({min(q_lens)}-{max(q_lens)} a sequence), "
                    f"causal {case['causal']}")
-    variants = "".join(f", {k} {case[k]}" for k in ("window_size", "logits_soft_cap", "sinks") if case.get(k))
+    variants = "".join(f", {k} {case[k]}" for k in ("kv_dtype", "kv_scale_per_head", "window_size",
+                                                     "logits_soft_cap", "sinks") if case.get(k))
     return (f"{case['dtype']} head {case['head_size']} block {case['block_size']} "
             f"{case['num_heads']}:{case['num_kv_heads']} {len(lens)} seqs of {min(lens)}-{max(lens)} tokens, "
             f"table +{case['extra_width']}, alibi {case['alibi']}, q x{case['q_scale']}{queries}{variants}")

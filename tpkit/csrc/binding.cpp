@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <utility>
 #include <string>
 
 #include "attention/paged_attention.h"
@@ -99,6 +100,39 @@ void check_launch(cudaError_t err, const char* what) {
   if (err != cudaSuccess) TORCH_CHECK(false, message("tpkit ", what, " (CUDA): ", cudaGetErrorString(err)));
 }
 
+// A float8 cache's format, or TPKIT_FP8_NONE for a cache of key's dtype.
+tpkit_fp8_format fp8_format(at::ScalarType t) {
+  if (t == at::kFloat8_e4m3fn) return TPKIT_FP8_E4M3;
+  if (t == at::kFloat8_e5m2) return TPKIT_FP8_E5M2;
+  return TPKIT_FP8_NONE;
+}
+
+// A float8 cache's k and v scales as the kernels take them: float32 on the caches' device, one entry or one
+// per KV head each, contiguous and of the same length (a single scale beside one a head is expanded to one a
+// head: a copy of the shapes, safe in CUDA graphs).
+std::pair<at::Tensor, at::Tensor> kv_scales(const char* op, const std::optional<at::Tensor>& k_scale,
+                                            const std::optional<at::Tensor>& v_scale, const at::Device& device,
+                                            int64_t num_kv_heads) {
+  at::Tensor scales[2];
+  const std::pair<const char*, const std::optional<at::Tensor>*> given[2] = {{"k_scale", &k_scale},
+                                                                               {"v_scale", &v_scale}};
+  for (int i = 0; i < 2; ++i) {
+    const auto& [name, scale] = given[i];
+    TPKIT_CHECK_VALUE(scale->has_value(), op, " (CUDA): ", name, ": expected a float32 scale for a float8 cache");
+    const at::Tensor& t = **scale;
+    TPKIT_CHECK_VALUE(t.device() == device && t.scalar_type() == at::kFloat &&
+                          (t.numel() == 1 || t.numel() == num_kv_heads),
+                      op, " (CUDA): ", name, ": expected float32 of 1 or num_kv_heads = ", num_kv_heads,
+                      " entries on ", device, ", got ", t.scalar_type(), " ", t.sizes(), " on ", t.device());
+    scales[i] = t.reshape({-1});
+  }
+  if (scales[0].numel() != scales[1].numel()) {
+    at::Tensor& single = scales[0].numel() == 1 ? scales[0] : scales[1];
+    single = single.expand({num_kv_heads});
+  }
+  return {scales[0].contiguous(), scales[1].contiguous()};
+}
+
 // The shape fields of the kernel arguments (all that planning reads; with query_start_loc, planning reads
 // only that it is set, never its values).
 void fill_shapes(tpkit_paged_attention_args* a, const at::Tensor& query, const at::Tensor& key_cache,
@@ -114,6 +148,7 @@ void fill_shapes(tpkit_paged_attention_args* a, const at::Tensor& query, const a
   a->block_size = static_cast<int>(key_cache.size(1));
   a->num_kv_heads = static_cast<int>(key_cache.size(2));
   a->max_blocks_per_seq = static_cast<int>(block_tables.size(1));
+  a->cache_fp8 = fp8_format(key_cache.scalar_type());
   // A window wider than the table is no window: every key is in it.
   a->window_size = static_cast<int>(std::min<int64_t>(window_size.value_or(0), INT32_MAX));
 }
@@ -185,6 +220,7 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
                      const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                      double scale, const std::optional<at::Tensor>& alibi_slopes,
                      const std::optional<at::Tensor>& query_start_loc, bool causal,
+                     const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
                      std::optional<int64_t> window_size, std::optional<double> logits_soft_cap,
                      const std::optional<at::Tensor>& sinks) {
   const char* op = "paged_attention";
@@ -195,9 +231,11 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   const int64_t num_rows = query.size(0), num_heads = query.size(1), head_size = query.size(2);
   const int64_t num_seqs = query_start_loc.has_value() ? block_tables.size(0) : num_rows;
   check_tensor(op, "out", out, device, scalar_type, {num_rows, num_heads, head_size});
-  check_tensor(op, "key_cache", key_cache, device, scalar_type, {kAny, kAny, kAny, head_size});
+  const tpkit_fp8_format cache_fp8 = fp8_format(key_cache.scalar_type());
+  const at::ScalarType cache_type = cache_fp8 == TPKIT_FP8_NONE ? scalar_type : key_cache.scalar_type();
+  check_tensor(op, "key_cache", key_cache, device, cache_type, {kAny, kAny, kAny, head_size});
   const int64_t num_blocks = key_cache.size(0), block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
-  check_tensor(op, "value_cache", value_cache, device, scalar_type, {num_blocks, block_size, num_kv_heads, head_size});
+  check_tensor(op, "value_cache", value_cache, device, cache_type, {num_blocks, block_size, num_kv_heads, head_size});
   check_tensor(op, "block_tables", block_tables, device, at::kInt, {num_seqs, kAny});
   check_tensor(op, "seq_lens", seq_lens, device, at::kInt, {num_seqs});
   if (alibi_slopes.has_value()) check_tensor(op, "alibi_slopes", *alibi_slopes, device, at::kFloat, {num_heads});
@@ -211,9 +249,13 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
                     "paged_attention (CUDA): logits_soft_cap: expected a finite float > 0, got ",
                     logits_soft_cap.value_or(0.0));
   const tpkit_dtype dtype = to_tpkit_dtype(scalar_type);
-  TPKIT_CHECK_VALUE(tpkit_paged_attention_supported(dtype, static_cast<int>(head_size), static_cast<int>(block_size)),
+  TPKIT_CHECK_VALUE(tpkit_paged_attention_supported(dtype, static_cast<int>(head_size), static_cast<int>(block_size),
+                                                    cache_fp8),
                     "paged_attention (CUDA): head_size ", head_size, " with block_size ", block_size, " and dtype ",
-                    scalar_type, " is not supported; supported: ", tpkit_paged_attention_supported_text());
+                    scalar_type, " over a ", key_cache.scalar_type(), " cache is not supported; supported: ",
+                    tpkit_paged_attention_supported_text());
+  std::pair<at::Tensor, at::Tensor> scales;
+  if (cache_fp8 != TPKIT_FP8_NONE) scales = kv_scales(op, k_scale, v_scale, device, num_kv_heads);
   TPKIT_CHECK_VALUE(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "paged_attention (CUDA): num_kv_heads ",
                     num_kv_heads, " must divide num_heads ", num_heads);
   TPKIT_CHECK_VALUE(num_seqs <= 65535 && num_heads <= 65535, "paged_attention (CUDA): at most 65535 sequences and "
@@ -255,6 +297,11 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   a.causal = causal ? 1 : 0;
   a.logits_soft_cap = static_cast<float>(logits_soft_cap.value_or(0.0));
   a.sinks = head_sinks.has_value() ? head_sinks->data_ptr<float>() : nullptr;
+  if (cache_fp8 != TPKIT_FP8_NONE) {
+    a.k_scale = scales.first.data_ptr<float>();
+    a.v_scale = scales.second.data_ptr<float>();
+    a.kv_scale_per_head = scales.first.numel() == num_kv_heads && num_kv_heads > 1;
+  }
   a.q_stride_seq = q.stride(0);
   a.q_stride_head = q.stride(1);
   a.o_stride_seq = o.stride(0);
@@ -288,27 +335,6 @@ void fill_cache_args(Args& a, at::Tensor& key_cache, at::Tensor& value_cache, co
   fill_cache_strides(a, key_cache, value_cache);
 }
 
-// A float8 cache's format, or TPKIT_FP8_NONE for a cache of key's dtype.
-tpkit_fp8_format fp8_format(at::ScalarType t) {
-  if (t == at::kFloat8_e4m3fn) return TPKIT_FP8_E4M3;
-  if (t == at::kFloat8_e5m2) return TPKIT_FP8_E5M2;
-  return TPKIT_FP8_NONE;
-}
-
-// A float8 cache's scale: float32, one entry or one per KV head, contiguous, on the caches' device.
-const float* scale_pointer(const char* name, const std::optional<at::Tensor>& scale, const at::Device& device,
-                           int64_t num_kv_heads, int64_t expected_numel) {
-  const char* op = "reshape_and_cache";
-  TPKIT_CHECK_VALUE(scale.has_value(), op, " (CUDA): ", name, ": expected a float32 scale for a float8 cache");
-  const at::Tensor& t = *scale;
-  TPKIT_CHECK_VALUE(t.device() == device && t.scalar_type() == at::kFloat && t.is_contiguous() &&
-                        (t.numel() == 1 || t.numel() == num_kv_heads) && t.numel() == expected_numel,
-                    op, " (CUDA): ", name, ": expected contiguous float32 of 1 or num_kv_heads = ", num_kv_heads,
-                    " entries (as many as k_scale) on ", device, ", got ", t.scalar_type(), " ", t.sizes(), " on ",
-                    t.device());
-  return t.data_ptr<float>();
-}
-
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache, at::Tensor value_cache,
                        const at::Tensor& slot_mapping, const std::optional<at::Tensor>& k_scale,
                        const std::optional<at::Tensor>& v_scale) {
@@ -331,13 +357,15 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   TPKIT_CHECK_VALUE(key.size(0) <= INT32_MAX, "reshape_and_cache (CUDA): too many tokens: ", key.size(0));
   TPKIT_CHECK_VALUE(key.element_size() >= 2, "reshape_and_cache (CUDA): 1-byte dtypes are not supported, got ",
                     key.scalar_type());
+  std::pair<at::Tensor, at::Tensor> scales;
+  if (cache_fp8 != TPKIT_FP8_NONE) scales = kv_scales(op, k_scale, v_scale, device, num_kv_heads);
   tpkit_reshape_and_cache_args a{};
   a.cache_fp8 = cache_fp8;
   if (cache_fp8 != TPKIT_FP8_NONE) {
     a.src_dtype = to_tpkit_dtype(dtype);
-    a.k_scale = scale_pointer("k_scale", k_scale, device, num_kv_heads, k_scale ? k_scale->numel() : 1);
-    a.v_scale = scale_pointer("v_scale", v_scale, device, num_kv_heads, k_scale->numel());
-    a.scale_per_head = k_scale->numel() == num_kv_heads && num_kv_heads > 1;
+    a.k_scale = scales.first.data_ptr<float>();
+    a.v_scale = scales.second.data_ptr<float>();
+    a.scale_per_head = scales.first.numel() == num_kv_heads && num_kv_heads > 1;
   }
   if (key.numel() == 0) return;
 
@@ -578,11 +606,11 @@ bool silu_and_mul(at::Tensor out, const at::Tensor& input) {
   return true;
 }
 
-bool tpkit_paged_attention_supported_int(int dtype_code, int64_t head_size, int64_t block_size) {
+bool tpkit_paged_attention_supported_int(int dtype_code, int64_t head_size, int64_t block_size, int fp8_code) {
   return dtype_code >= TPKIT_FLOAT16 && dtype_code <= TPKIT_FLOAT32 && head_size <= INT32_MAX &&
-         block_size <= INT32_MAX &&
+         block_size <= INT32_MAX && fp8_code >= TPKIT_FP8_NONE && fp8_code <= TPKIT_FP8_E5M2 &&
          tpkit_paged_attention_supported(static_cast<tpkit_dtype>(dtype_code), static_cast<int>(head_size),
-                                         static_cast<int>(block_size));
+                                         static_cast<int>(block_size), static_cast<tpkit_fp8_format>(fp8_code));
 }
 
 }  // namespace
@@ -592,15 +620,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Paged attention into `out` (see tpkit.ops.paged_attention).",
         py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
         py::arg("seq_lens"), py::arg("scale"), py::arg("alibi_slopes"), py::arg("query_start_loc") = py::none(),
-        py::arg("causal") = true, py::arg("window_size") = py::none(), py::arg("logits_soft_cap") = py::none(),
-        py::arg("sinks") = py::none());
+        py::arg("causal") = true, py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(),
+        py::arg("window_size") = py::none(), py::arg("logits_soft_cap") = py::none(), py::arg("sinks") = py::none());
   m.def("plan", &plan, "The launch configuration for these shapes: partitions, warps, stages, shared memory.",
         py::arg("query"), py::arg("key_cache"), py::arg("block_tables"), py::arg("query_start_loc") = py::none(),
         py::arg("causal") = true, py::arg("window_size") = py::none());
   m.def("device_limits", &device_limits, "The launch limits of a CUDA device (grid, block, shared memory, clusters).",
         py::arg("device"));
   m.def("is_supported", &tpkit_paged_attention_supported_int,
-        "Whether the kernels support (dtype code: 0 float16, 1 bfloat16, 2 float32; head_size; block_size).");
+        "Whether the kernels support (dtype code: 0 float16, 1 bfloat16, 2 float32; head_size; block_size; "
+        "cache float8 code: 0 none, 1 E4M3, 2 E5M2).",
+        py::arg("dtype_code"), py::arg("head_size"), py::arg("block_size"), py::arg("fp8_code") = 0);
   m.def("supported_text", &tpkit_paged_attention_supported_text, "What the kernels support, in words.");
   m.def("reshape_and_cache", &reshape_and_cache, "Writes key/value into their cache slots (in place).",
         py::arg("key"), py::arg("value"), py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"),

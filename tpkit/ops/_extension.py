@@ -41,6 +41,8 @@ _MIN_CAPABILITY = (8, 0)
 
 # tpkit_dtype codes of csrc/common/dtype.h
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+# tpkit_fp8_format codes of csrc/common/dtype.h
+_FP8_CODES = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 
 _lock = threading.Lock()
 _modules: dict[tuple[int, int], ModuleType | None] = {}
@@ -180,20 +182,24 @@ def paged_attention(
 
     ``window_size``, ``logits_soft_cap`` and ``sinks`` (float32 ``[num_heads]``) as for the op.
 
-    A float8 cache (``k_scale`` and ``v_scale`` given) has no kernel yet: False, and the PyTorch
-    implementation dequantizes it on the GPU; the kernel's loads do not convert float8.
+    A float8 cache (``k_scale``, ``v_scale`` float32 ``[]`` or ``[num_kv_heads]``) runs the kernel under
+    float16 and bfloat16 queries of head sizes that are multiples of 16; elsewhere False, and the PyTorch
+    implementation dequantizes it on the GPU.
     """
-    if k_scale is not None:
-        return False
     module = _module_for(query.device)
     if module is None:
         return False
     head_size, block_size = query.shape[-1], key_cache.shape[1]
-    if not module.is_supported(_DTYPE_CODES.get(query.dtype, -1), head_size, block_size):
+    dtype_code = _DTYPE_CODES.get(query.dtype, -1)
+    if k_scale is not None:
+        if not module.is_supported(dtype_code, head_size, block_size, _FP8_CODES[key_cache.dtype]):
+            return False
+    elif not module.is_supported(dtype_code, head_size, block_size):
         raise ValueError(f"paged_attention (CUDA): dtype {query.dtype}, head_size {head_size} and block_size "
                          f"{block_size} are not supported; supported: {module.supported_text()}")
     module.paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, float(scale),
-                           alibi_slopes, query_start_loc, causal, window_size, logits_soft_cap, sinks)
+                           alibi_slopes, query_start_loc, causal, k_scale, v_scale, window_size,
+                           logits_soft_cap, sinks)
     return True
 
 

@@ -35,6 +35,12 @@ typedef struct {
   int window_size;              // > 0: a row at position q sees keys from q - window_size + 1 on; 0: no window
   float logits_soft_cap;        // > 0: scaled scores become cap * tanh(scores / cap) before ALiBi; 0: none
   const float* sinks;           // [num_heads] or NULL: a logit a head that joins the softmax's denominator
+  // A float8 cache (cache_fp8 not TPKIT_FP8_NONE; query and out stay dtype): stored = x / scale, with
+  // k_scale[h], v_scale[h] for KV head h (kv_scale_per_head) or entry 0. The caches hold dtype otherwise.
+  tpkit_fp8_format cache_fp8;
+  const float* k_scale;         // [num_kv_heads] or [1]
+  const float* v_scale;
+  int kv_scale_per_head;
   tpkit_dtype dtype;
   int num_seqs;                 // sequences (rows of block_tables)
   int num_query_rows;           // rows of query and out: num_seqs in decode, num_tokens with query_start_loc
@@ -85,8 +91,9 @@ typedef struct {
   float* tmp_lse;
 } tpkit_paged_attention_args;
 
-// 1 when the kernels support this dtype, head size and block size (see tpkit_paged_attention_supported_text).
-int tpkit_paged_attention_supported(tpkit_dtype dtype, int head_size, int block_size);
+// 1 when the kernels support this dtype, head size and block size over caches of that dtype or, with
+// cache_fp8 set, of that float8 format (see tpkit_paged_attention_supported_text).
+int tpkit_paged_attention_supported(tpkit_dtype dtype, int head_size, int block_size, tpkit_fp8_format cache_fp8);
 
 // What the kernels support, for error messages.
 const char* tpkit_paged_attention_supported_text(void);

@@ -92,7 +92,8 @@ namespace {
 
 constexpr const char* kSupportedText =
     "dtypes float16, bfloat16, float32; head sizes 32, 64, 80, 96, 112, 120, 128, 192, 256; block sizes 8, "
-    "16, 32";
+    "16, 32; float8 caches (E4M3, E5M2) under float16 and bfloat16 queries of head sizes that are multiples "
+    "of 16";
 
 bool head_size_supported(int head_size) {
   switch (head_size) {
@@ -109,16 +110,20 @@ bool head_size_supported(int head_size) {
 
 extern "C" {
 
-int tpkit_paged_attention_supported(tpkit_dtype dtype, int head_size, int block_size) {
+int tpkit_paged_attention_supported(tpkit_dtype dtype, int head_size, int block_size, tpkit_fp8_format cache_fp8) {
   const bool dtype_ok = dtype == TPKIT_FLOAT16 || dtype == TPKIT_BFLOAT16 || dtype == TPKIT_FLOAT32;
   const bool block_ok = block_size == 8 || block_size == 16 || block_size == 32;
-  return dtype_ok && block_ok && head_size_supported(head_size) ? 1 : 0;
+  // A float8 stage is loaded in 16-byte chunks of a row and converted for the 16-bit tensor-core kernel.
+  const bool fp8_ok = cache_fp8 == TPKIT_FP8_NONE ||
+                      ((cache_fp8 == TPKIT_FP8_E4M3 || cache_fp8 == TPKIT_FP8_E5M2) && dtype != TPKIT_FLOAT32 &&
+                       head_size % 16 == 0);
+  return dtype_ok && block_ok && fp8_ok && head_size_supported(head_size) ? 1 : 0;
 }
 
 const char* tpkit_paged_attention_supported_text(void) { return kSupportedText; }
 
 cudaError_t tpkit_paged_attention_plan(tpkit_paged_attention_args* a) {
-  if (!tpkit_paged_attention_supported(a->dtype, a->head_size, a->block_size) || a->num_kv_heads <= 0 ||
+  if (!tpkit_paged_attention_supported(a->dtype, a->head_size, a->block_size, a->cache_fp8) || a->num_kv_heads <= 0 ||
       a->num_heads % a->num_kv_heads != 0 || a->window_size < 0 || !(a->logits_soft_cap >= 0.f)) {
     return cudaErrorInvalidValue;
   }

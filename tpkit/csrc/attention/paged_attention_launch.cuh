@@ -97,8 +97,20 @@ using AttentionKernel = void (*)(tpkit_paged_attention_args);
 // The mma kernel that takes `slices` 16-token slices a warp step (2 only where Q stays in shared memory),
 // with swizzled shared-memory rows (one slice, where kSwizzleable allows) or padded ones. Several query tokens
 // a sequence (multi) take one variant: one slice, swizzled rows where kSwizzleable allows.
+template <typename T, int HEAD, int FP8>
+AttentionKernel fp8_mma_kernel(bool multi) {
+  return multi ? paged_attention_mma_kernel<T, HEAD, 1, kSwizzleable<HEAD>, true, FP8>
+               : paged_attention_mma_kernel<T, HEAD, 1, kSwizzleable<HEAD>, false, FP8>;
+}
+
+// Float8 caches take one variant each for decode and for several query tokens: one slice, swizzled rows
+// where kSwizzleable allows.
 template <typename T, int HEAD>
-AttentionKernel mma_kernel(int slices, bool swizzled, bool multi) {
+AttentionKernel mma_kernel(int slices, bool swizzled, bool multi, tpkit_fp8_format fp8 = TPKIT_FP8_NONE) {
+  if constexpr (HEAD % 16 == 0) {
+    if (fp8 == TPKIT_FP8_E4M3) return fp8_mma_kernel<T, HEAD, TPKIT_FP8_E4M3>(multi);
+    if (fp8 == TPKIT_FP8_E5M2) return fp8_mma_kernel<T, HEAD, TPKIT_FP8_E5M2>(multi);
+  }
   if (multi) return paged_attention_mma_kernel<T, HEAD, 1, kSwizzleable<HEAD>, true>;
   if constexpr (!MmaLayout<HEAD, false>::kQueryInRegisters) {
     if (slices == 2) return paged_attention_mma_kernel<T, HEAD, 2, false, false>;
@@ -306,11 +318,12 @@ cudaError_t plan_mma(tpkit_paged_attention_args* a) {
   // but its loop streams faster on long tables; on short ones (a few tiles a block) the mma kernel stays
   // faster. Several query tokens a sequence are tensor-core bound: the warpgroup products serve them best.
   const bool multi = a->query_start_loc != nullptr;
+  const bool fp8 = a->cache_fp8 != TPKIT_FP8_NONE;
   if constexpr (HEAD == kWgmmaHead) {
     bool available = false;
     const cudaError_t err = wgmma_available(&available);
     if (err != cudaSuccess) return err;
-    if (available && (multi || a->group_size > 32 || long_tables)) return plan_wgmma<T>(a);
+    if (available && !fp8 && (multi || a->group_size > 32 || long_tables)) return plan_wgmma<T>(a);
   }
   a->wgmma = 0;
   a->warpgroups = 1;
@@ -329,16 +342,18 @@ cudaError_t plan_mma(tpkit_paged_attention_args* a) {
   const int num_warps = warps_m * warps_n;
   const int rows = warps_m * 16;
   const int epilogue_bytes = (2 * num_warps * 16 + 3 * rows) * 4 + num_warps * 16 * Padded::kOutStride * 4;
-  // Q, then the K/V stages (reused by the epilogue).
+  // Q, then the K/V stages (reused by the epilogue); a float8 cache's stages hold its bytes as stored, and
+  // one tile of K and V in T the products read.
   auto block_bytes = [&](int row_bytes, int stages) {
-    return rows * row_bytes + std::max(stages * 2 * kTileTokens * row_bytes, epilogue_bytes);
+    const int tiles = fp8 ? 2 * kTileTokens * (row_bytes + stages * HEAD) : stages * 2 * kTileTokens * row_bytes;
+    return rows * row_bytes + std::max(tiles, epilogue_bytes);
   };
   // Long blocks of small groups (one row tile) take the deepest pipeline.
   const bool prefer_depth = warps_m == 1 && long_tables;
   // Two slices a step where a warp's share of a tile holds them (large groups: warps_n <= 2) and Q is not
   // held in registers: twice the independent mma chains in flight.
-  const int slices = !multi && !Padded::kQueryInRegisters && (kTileTokens / warps_n) % 32 == 0 ? 2 : 1;
-  const void* kernel = reinterpret_cast<const void*>(mma_kernel<T, HEAD>(slices, false, multi));
+  const int slices = !multi && !fp8 && !Padded::kQueryInRegisters && (kTileTokens / warps_n) % 32 == 0 ? 2 : 1;
+  const void* kernel = reinterpret_cast<const void*>(mma_kernel<T, HEAD>(slices, false, multi, a->cache_fp8));
   int stages = 0, smem = 0, blocks_per_sm = 0;
   err = choose_pipeline(kernel, num_warps * 32, [&](int s) { return block_bytes(Padded::kRowBytes, s); },
                         prefer_depth, &stages, &smem, &blocks_per_sm);
@@ -352,7 +367,8 @@ cudaError_t plan_mma(tpkit_paged_attention_args* a) {
   a->threads = num_warps * 32;
   a->smem_bytes = smem;
   const int rows_written = std::min(item_rows, rows);
-  const double write_cost = rows_written * (HEAD + 1) * 4.0 / (2.0 * kTileTokens * HEAD * sizeof(T));
+  const double tile_bytes = 2.0 * kTileTokens * HEAD * (fp8 ? 1 : sizeof(T));  // a tile's K and V as stored
+  const double write_cost = rows_written * (HEAD + 1) * 4.0 / tile_bytes;
   uint32_t mask = 0;
   err = plan_split(a, kernel, num_sms * std::max(blocks_per_sm, 1), write_cost, &mask);
   if (err != cudaSuccess) return err;
@@ -362,7 +378,7 @@ cudaError_t plan_mma(tpkit_paged_attention_args* a) {
   // never longer than padded ones, so the pipeline depth, occupancy and partitions above still hold.
   a->swizzled = kSwizzleable<HEAD> && slices == 1;
   if (a->swizzled) {
-    kernel = reinterpret_cast<const void*>(mma_kernel<T, HEAD>(1, true, multi));
+    kernel = reinterpret_cast<const void*>(mma_kernel<T, HEAD>(1, true, multi, a->cache_fp8));
     smem = block_bytes(Swizzled::kRowBytes, stages);
     int smem_limit = 0;  // raises the swizzled kernel's limit
     if ((err = kernel_dynamic_smem_limit(kernel, &smem_limit)) != cudaSuccess) return err;
@@ -386,7 +402,8 @@ cudaError_t launch_mma(const tpkit_paged_attention_args* a, cudaStream_t stream)
       return launch_merge<T>(a, stream);
     }
   }
-  const AttentionKernel kernel = mma_kernel<T, HEAD>(a->slices, a->swizzled != 0, a->query_start_loc != nullptr);
+  const AttentionKernel kernel =
+      mma_kernel<T, HEAD>(a->slices, a->swizzled != 0, a->query_start_loc != nullptr, a->cache_fp8);
   const cudaError_t err =
       launch_dependent(kernel, grid, a->threads, a->smem_bytes, attention_cluster_size(a), a, stream);
   if (err != cudaSuccess) return err;

@@ -13,7 +13,10 @@
 
 #include <math.h>
 
+#include <type_traits>
+
 #include "common/dtype_traits.cuh"
+#include "common/fp8.cuh"
 #include "attention/paged_attention.h"
 #include "attention/paged_attention_dispatch.h"
 #include "attention/paged_attention_rows.cuh"
@@ -79,8 +82,23 @@ struct ScoreMap {
   float scale_log2, cap_scale, cap_log2;
 };
 
-__device__ __forceinline__ ScoreMap score_map(const tpkit_paged_attention_args& p) {
-  return {p.scale_log2, p.soft_cap_scale, p.soft_cap_log2};
+// k_scale: a float8 cache's key scale (stored keys times it are the keys), 1 otherwise.
+__device__ __forceinline__ ScoreMap score_map(const tpkit_paged_attention_args& p, float k_scale = 1.f) {
+  return {p.scale_log2 * k_scale, p.soft_cap_scale * k_scale, p.soft_cap_log2};
+}
+
+// A float8 stage (kTileTokens rows of HEAD bytes, as stored) into the T tile the products read (layout L),
+// by every thread of the block; the caller synchronises before and after.
+template <typename T, int FP8, int HEAD, typename L>
+__device__ __forceinline__ void convert_fp8_tile(const uint8_t* stage, uint4* tile) {
+  constexpr int kChunks8 = HEAD / 16;  // 16-byte chunks of a stored row: two of T each
+  for (int i = threadIdx.x; i < kTileTokens * kChunks8; i += blockDim.x) {
+    const int t = i / kChunks8;
+    const int c = i - t * kChunks8;
+    const uint4 raw = *reinterpret_cast<const uint4*>(stage + i * 16);
+    tile[t * L::kRowStride + L::chunk(t, 2 * c)] = fp8x8_to<T, FP8>(make_uint2(raw.x, raw.y));
+    tile[t * L::kRowStride + L::chunk(t, 2 * c + 1)] = fp8x8_to<T, FP8>(make_uint2(raw.z, raw.w));
+  }
 }
 
 // The RowPair of a thread's rows row0, row1 (ALiBi slope 0 for padding rows), their keys cut at the
@@ -288,20 +306,28 @@ __device__ __forceinline__ void merge_in_cluster(int num_parts, bool attended, i
 #endif
 }
 
+// FP8: the caches' float8 format (tpkit_fp8_format), or TPKIT_FP8_NONE for caches of T. A float8 tile streams
+// into its stage as stored (half the bytes), and each thread block converts it, once per tile, into the one
+// T tile the products read: exactly (every float8 value is a T), its scales on the scores (k) and the output
+// (v), so the products are those of the 16-bit kernel.
 // SLICES: 16-token slices a warp takes at a time (1 or 2; the plan's `slices`). Two give twice the independent
 // mma chains in flight and one softmax update per 32 tokens, for the large groups that are bound by issue
 // latency; a kernel of its own, so the one-slice kernel keeps its registers. SWIZZLED: the layout (MmaLayout).
 // MULTI: rows of several query tokens a sequence (query_start_loc set), a kernel of its own so that the
 // decode kernels keep their registers.
-template <typename T, int HEAD, int SLICES, bool SWIZZLED, bool MULTI>
+template <typename T, int HEAD, int SLICES, bool SWIZZLED, bool MULTI, int FP8 = TPKIT_FP8_NONE>
 __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
     paged_attention_mma_kernel(const tpkit_paged_attention_args p) {
   using L = MmaLayout<HEAD, SWIZZLED>;
   static_assert(SLICES == 1 || (SLICES == 2 && !L::kQueryInRegisters), "two slices only with Q in shared memory");
   using Traits = DTypeTraits<T>;
+  constexpr bool kFp8 = FP8 != TPKIT_FP8_NONE;
+  static_assert(!kFp8 || (HEAD % 16 == 0 && SLICES == 1), "float8 rows load in 16-byte chunks, one slice");
+  using KV = std::conditional_t<kFp8, uint8_t, T>;  // a cache element as stored
   constexpr int C = L::kChunks;
+  constexpr int CL = HEAD * static_cast<int>(sizeof(KV)) / 16;  // 16-byte chunks a cached row loads in
   constexpr int RS = L::kRowStride;
-  constexpr int kLoadIters = (kTileTokens * C + kLoaderThreads - 1) / kLoaderThreads;
+  constexpr int kLoadIters = (kTileTokens * CL + kLoaderThreads - 1) / kLoaderThreads;
 
   extern __shared__ __align__(128) uint4 smem[];  // swizzled rows start 128-byte aligned
   // KV heads vary fastest, so the blocks reading the same pages (one per KV head) run side by side.
@@ -347,12 +373,18 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
   const int rows_valid = qr.rows_valid;
   const int* bt_row = p.block_tables + static_cast<int64_t>(qr.seq) * p.bt_stride;
 
-  uint4* q_s = smem;                                 // [rows][RS]
-  uint4* k_s = q_s + rows * RS;                      // [num_stages][kTileTokens][RS]
-  uint4* v_s = k_s + num_stages * kTileTokens * RS;  // [num_stages][kTileTokens][RS]
+  // The products' K and V tiles: every stage's, or a float8 cache's one converted tile.
+  constexpr int kTileSets = kFp8 ? 1 : 0;  // 0: as many as stages
+  const int tile_sets = kTileSets > 0 ? kTileSets : num_stages;
+  uint4* q_s = smem;                                // [rows][RS]
+  uint4* k_s = q_s + rows * RS;                     // [tile_sets][kTileTokens][RS]
+  uint4* v_s = k_s + tile_sets * kTileTokens * RS;  // [tile_sets][kTileTokens][RS]
+  // Float8 stages, as stored: [num_stages][kTileTokens][HEAD] bytes each of K and V.
+  uint8_t* k8_s = reinterpret_cast<uint8_t*>(v_s + tile_sets * kTileTokens * RS);
+  uint8_t* v8_s = k8_s + num_stages * kTileTokens * HEAD;
 
-  const T* k_base = static_cast<const T*>(p.key_cache) + static_cast<int64_t>(kv_head) * p.kc_stride_head;
-  const T* v_base = static_cast<const T*>(p.value_cache) + static_cast<int64_t>(kv_head) * p.vc_stride_head;
+  const KV* k_base = static_cast<const KV*>(p.key_cache) + static_cast<int64_t>(kv_head) * p.kc_stride_head;
+  const KV* v_base = static_cast<const KV*>(p.value_cache) + static_cast<int64_t>(kv_head) * p.vc_stride_head;
   const int bs_mask = (1 << bs_log2) - 1;
 
   // Physical pages of the tiles ahead, one ring slot per tile: a tile's block-table reads are issued an
@@ -397,13 +429,13 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
   // Block and token strides of the caches in bytes, 32-bit (the binding checks that they fit): a copy's
   // source address is two wide multiply-adds (64-bit strides in elements would make the address arithmetic
   // most of the kernel's instructions).
-  const uint32_t k_block_bytes = static_cast<uint32_t>(p.kc_stride_block * sizeof(T));
-  const uint32_t k_token_bytes = static_cast<uint32_t>(p.kc_stride_token * sizeof(T));
-  const uint32_t v_block_bytes = static_cast<uint32_t>(p.vc_stride_block * sizeof(T));
-  const uint32_t v_token_bytes = static_cast<uint32_t>(p.vc_stride_token * sizeof(T));
-  // Loader threads and their chunk: with C dividing kLoaderThreads, a thread keeps its chunk from copy to
-  // copy and steps kLoaderThreads / C tokens.
-  constexpr bool kFixedChunk = kLoaderThreads % C == 0;
+  const uint32_t k_block_bytes = static_cast<uint32_t>(p.kc_stride_block * sizeof(KV));
+  const uint32_t k_token_bytes = static_cast<uint32_t>(p.kc_stride_token * sizeof(KV));
+  const uint32_t v_block_bytes = static_cast<uint32_t>(p.vc_stride_block * sizeof(KV));
+  const uint32_t v_token_bytes = static_cast<uint32_t>(p.vc_stride_token * sizeof(KV));
+  // Loader threads and their chunk: with CL dividing kLoaderThreads, a thread keeps its chunk from copy to
+  // copy and steps kLoaderThreads / CL tokens.
+  constexpr bool kFixedChunk = kLoaderThreads % CL == 0;
 
   // Copies tile `tile` (64 tokens of K and V) into pipeline stage `stage`; zero-fills masked tokens.
   auto issue_tile = [&](int tile, int stage) {
@@ -414,14 +446,14 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
     const int tile_skip = first_key - (start + tile * kTileTokens);  // tokens of this tile before the first
     const int* pages = page_s[tile % kPageRing];
     const uint64_t stream_policy = l2_evict_first_policy();
-    const uint32_t k_dst = smem_addr(k_s + stage * kTileTokens * RS);
-    const uint32_t v_dst = smem_addr(v_s + stage * kTileTokens * RS);
+    const uint32_t k_dst = kFp8 ? smem_addr(k8_s + stage * kTileTokens * HEAD) : smem_addr(k_s + stage * kTileTokens * RS);
+    const uint32_t v_dst = kFp8 ? smem_addr(v8_s + stage * kTileTokens * HEAD) : smem_addr(v_s + stage * kTileTokens * RS);
 #pragma unroll
     for (int it = 0; it < kLoadIters; ++it) {
       const int i = static_cast<int>(loader) + it * kLoaderThreads;
-      if ((kTileTokens * C) % kLoaderThreads == 0 || i < kTileTokens * C) {
-        const int t = kFixedChunk ? static_cast<int>(loader / C) + it * (kLoaderThreads / C) : i / C;
-        const int c = kFixedChunk ? static_cast<int>(loader % C) : i - t * C;
+      if ((kTileTokens * CL) % kLoaderThreads == 0 || i < kTileTokens * CL) {
+        const int t = kFixedChunk ? static_cast<int>(loader / CL) + it * (kLoaderThreads / CL) : i / CL;
+        const int c = kFixedChunk ? static_cast<int>(loader % CL) : i - t * CL;
         const int page = pages[t >> bs_log2];
         const bool valid = t < tile_tokens && t >= tile_skip &&
                            static_cast<unsigned>(page) < static_cast<unsigned>(p.num_blocks);
@@ -434,7 +466,7 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
             mad_wide(page_index, k_block_bytes, mad_wide(off, k_token_bytes, k_row)));
         const void* vsrc = reinterpret_cast<const void*>(
             mad_wide(page_index, v_block_bytes, mad_wide(off, v_token_bytes, v_row)));
-        const uint32_t dst = (t * RS + L::chunk(t, c)) * 16;
+        const uint32_t dst = kFp8 ? (t * CL + c) * 16 : (t * RS + L::chunk(t, c)) * 16;
         cp_async_16(k_dst + dst, ksrc, valid, stream_policy);
         cp_async_16(v_dst + dst, vsrc, valid, stream_policy);
       }
@@ -460,7 +492,10 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
   const int row0 = warp_m * 16 + (lane >> 2);  // this thread's two rows of the warp's 16-row tile
   const int row1 = row0 + 8;
   const RowPair rp = row_pair(p, qr, row0, row1, end);
-  const ScoreMap map = score_map(p);
+  // A float8 cache's scales: k's on the scores, v's on the output.
+  const int scale_index = kFp8 && p.kv_scale_per_head ? kv_head : 0;
+  const ScoreMap map = score_map(p, kFp8 ? p.k_scale[scale_index] : 1.f);
+  const float out_scale = kFp8 ? p.v_scale[scale_index] : 1.f;
 
   uint32_t q_frag[L::kQueryInRegisters ? L::kKSteps : 1][4];
   // ldmatrix lane addresses: the lane's row (of an 8x8 matrix), its part of a step's chunk. Q: warp's rows.
@@ -496,10 +531,15 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
     cp_async_commit();
     cp_async_wait_dynamic(num_stages - 1);
     __syncthreads();
+    if constexpr (kFp8) {
+      convert_fp8_tile<T, FP8, HEAD, L>(k8_s + stage * kTileTokens * HEAD, k_s);
+      convert_fp8_tile<T, FP8, HEAD, L>(v8_s + stage * kTileTokens * HEAD, v_s);
+      __syncthreads();
+    }
 
     const int tile_start = start + tile * kTileTokens;
-    const uint32_t k_stage = smem_addr(k_s + stage * kTileTokens * RS);
-    const uint32_t v_stage = smem_addr(v_s + stage * kTileTokens * RS);
+    const uint32_t k_stage = smem_addr(k_s + (kFp8 ? 0 : stage) * kTileTokens * RS);
+    const uint32_t v_stage = smem_addr(v_s + (kFp8 ? 0 : stage) * kTileTokens * RS);
     if (warp_active) {
       for (int tok0 = warp_n * tokens_per_warp; tok0 < (warp_n + 1) * tokens_per_warp; tok0 += 16 * SLICES) {
         if (tile_start + tok0 >= end) break;  // the rest of this warp's slice is past the end
@@ -639,7 +679,7 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
     const float sum = row_l[r];
     // Zeros only where the row sees no key of the partition: a NaN sum stays NaN.
     const bool attended = qr.attends(r, start, end);
-    const float inv = attended ? 1.f / sum : 0.f;
+    const float inv = attended ? out_scale / sum : 0.f;
     acc.x *= inv;
     acc.y *= inv;
     acc.z *= inv;

@@ -11,10 +11,9 @@
 
 #include <stdint.h>
 
-#include <cuda_fp8.h>
-
 #include "gemm/decode_linear.h"
 #include "common/dtype_traits.cuh"
+#include "common/fp8.cuh"
 #include "common/ptx.cuh"
 
 namespace tpkit {
@@ -43,26 +42,6 @@ template <bool kBF16, bool kUpperRows>
 __device__ __forceinline__ void multiply_step(float (&c)[4], const uint4* __restrict__ weight,
                                               const uint4* __restrict__ lower, const uint4* __restrict__ upper) {
   multiply_loaded<kBF16, kUpperRows>(c, *weight, lower, upper);
-}
-
-// Eight float8 (E4M3) weights, 8 bytes, as eight values of T in the 16 bytes a 16-bit step's weight load
-// gives: each pair converted exactly (every E4M3 value is a float16 and a bfloat16 value).
-template <typename T>
-__device__ __forceinline__ uint4 fp8x8_to(const uint2 raw) {
-  const uint32_t words[2] = {raw.x, raw.y};
-  uint32_t out[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const __nv_fp8x2_storage_t pair = static_cast<__nv_fp8x2_storage_t>(words[i / 2] >> (16 * (i % 2)));
-    const __half2 h = __half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3));
-    if constexpr (DTypeTraits<T>::kIsBF16) {
-      const float2 f = __half22float2(h);
-      out[i] = DTypeTraits<T>::pack2(f.x, f.y);
-    } else {
-      out[i] = *reinterpret_cast<const uint32_t*>(&h);
-    }
-  }
-  return make_uint4(out[0], out[1], out[2], out[3]);
 }
 
 // What a block does with its sums (decode_linear.h): store them, combine gate and up (SwiGLU), rotate q

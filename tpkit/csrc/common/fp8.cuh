@@ -1,0 +1,38 @@
+// Float8 values (a quantized KV cache, quantized weights) converted to the 16-bit type the tensor cores
+// take. Torch-free.
+#pragma once
+
+#include <stdint.h>
+
+#include <cuda_fp8.h>
+
+#include "common/dtype.h"
+#include "common/dtype_traits.cuh"
+
+namespace tpkit {
+
+// The CUDA interpretation of a float8 format (TPKIT_FP8_E4M3 or TPKIT_FP8_E5M2).
+template <int FORMAT>
+constexpr __nv_fp8_interpretation_t kFp8Interpretation = FORMAT == TPKIT_FP8_E5M2 ? __NV_E5M2 : __NV_E4M3;
+
+// Eight float8 values, 8 bytes, as eight values of T in 16 bytes: each pair converted exactly (every E4M3
+// and E5M2 value is a float16 and a bfloat16 value; NaN stays NaN).
+template <typename T, int FORMAT = TPKIT_FP8_E4M3>
+__device__ __forceinline__ uint4 fp8x8_to(const uint2 raw) {
+  const uint32_t words[2] = {raw.x, raw.y};
+  uint32_t out[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __nv_fp8x2_storage_t pair = static_cast<__nv_fp8x2_storage_t>(words[i / 2] >> (16 * (i % 2)));
+    const __half2 h = __half2(__nv_cvt_fp8x2_to_halfraw2(pair, kFp8Interpretation<FORMAT>));
+    if constexpr (DTypeTraits<T>::kIsBF16) {
+      const float2 f = __half22float2(h);
+      out[i] = DTypeTraits<T>::pack2(f.x, f.y);
+    } else {
+      out[i] = *reinterpret_cast<const uint32_t*>(&h);
+    }
+  }
+  return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
+}  // namespace tpkit
