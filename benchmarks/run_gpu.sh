@@ -8,7 +8,8 @@
 #              tests       the whole test suite on the GPU (the CPU multi-rank tests included)
 #              sanitize    compute-sanitizer memcheck of a few kernel cases
 #              demo        python -m tpkit.demo, eager and with CUDA graphs
-#              attention   bench_paged_attention.py      decode-gemm  bench_decode_gemm.py
+#              attention   bench_paged_attention.py (and on float8 caches), bench_attention_variants.py
+#              decode-gemm bench_decode_gemm.py
 #              prefill     bench_paged_prefill.py (several query tokens a sequence)
 #              latency     bench_latency.py              profile      profile_generate.py
 #              cross-qkv   bench_cross_qkv.py --device cuda
@@ -72,7 +73,10 @@ _extension.build(torch.cuda.get_device_capability())" ;;
     sanitize) PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --leak-check no \
                 python3 "${PYTEST[@]}" "${SANITIZE_CASES[@]}" ;;
     demo) python3 -m tpkit.demo && python3 -m tpkit.demo --cuda-graph ;;
-    attention) python3 benchmarks/bench_paged_attention.py ;;
+    attention) python3 benchmarks/bench_paged_attention.py &&
+               python3 benchmarks/bench_paged_attention.py --flex-budget-s 0 --impls tpkit --kv-dtype fp8_e4m3 \
+                 --json benchmarks/results/paged_attention_fp8_h200.json &&
+               python3 benchmarks/bench_attention_variants.py ;;
     prefill) python3 benchmarks/bench_paged_prefill.py ;;
     decode-gemm) python3 benchmarks/bench_decode_gemm.py --json benchmarks/results/decode_gemm_gpu.json ;;
     latency) python3 benchmarks/bench_latency.py ;;
