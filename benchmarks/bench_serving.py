@@ -19,6 +19,10 @@ engine with the same KV budget; at each rate both serve, taking turns to go firs
 
 Before timing, each engine serves one batch of every size it captures a CUDA graph for, so that no capture
 falls into a timed run.
+
+At the lightest rate the mean TPOT is set beside a decode step of tpkit's static ``generate`` (from CUDA
+graphs on a GPU) for a batch of the mean number of requests decoding at once (Little's law: output tokens/s
+times the mean TPOT), prompts of the workload's mean length: the goal is a ratio of at most 1.10.
 """
 
 from __future__ import annotations
@@ -116,6 +120,38 @@ def _models(args: argparse.Namespace, config: dict, dtype: torch.dtype, device: 
     return models
 
 
+def static_step_s(model: PagedLM, batch: int, prompt_len: int, cuda: bool) -> float:
+    """Seconds one decode step of ``model.generate`` takes for ``batch`` prompts of ``prompt_len`` tokens:
+    the difference of two runs' times over the difference of their new tokens, so that the prefill cancels."""
+    prompts = [[3 + (i + j) % 97 for j in range(prompt_len)] for i in range(batch)]
+    short, long = 8, 40
+    times = []
+    for new_tokens in (short, long):
+        model.generate(prompts, new_tokens, ignore_eos=True, cuda_graph=cuda)  # captures its graphs
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(prompts, new_tokens, ignore_eos=True, cuda_graph=cuda)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return (times[1] - times[0]) / (long - short)
+
+
+def _print_light_load(rate: float, work: Work, results: dict[str, dict], models: dict[str, PagedLM],
+                      cuda: bool) -> None:
+    """At ``rate``, each way's mean TPOT against its static decode step at the mean concurrency."""
+    prompt_len = round(statistics.fmean(len(prompt) for _, prompt, _ in work))
+    for way, result in results.items():
+        concurrency = result["output tokens/s"] * result["TPOT"]["mean"]
+        batch = max(1, round(concurrency))
+        step = static_step_s(models[way], batch, prompt_len, cuda)
+        print(f"light load ({rate:g} requests/s), {way}: TPOT mean {result['TPOT']['mean'] * 1e3:.2f} ms; "
+              f"static decode step at batch {batch} (mean concurrency {concurrency:.1f}), prompts of "
+              f"{prompt_len} tokens: {step * 1e3:.2f} ms; ratio {result['TPOT']['mean'] / step:.3f} "
+              f"(goal <= 1.10)")
+
+
 def _warm_up(engine: Engine) -> None:
     """A decode step of every batch size the engine replays a CUDA graph for (one request off a GPU)."""
     for size in engine.runner.graph_sizes or [1]:
@@ -165,13 +201,16 @@ def main() -> None:
     for engine in engines.values():
         _warm_up(engine)
     tpot_ratios = {}
-    for turn, rate in enumerate(float(r) for r in args.rates.split(",")):
+    rates = [float(r) for r in args.rates.split(",")]
+    for turn, rate in enumerate(rates):
         args.rate = rate
         work = _workload(args, config["vocab_size"])
         order = list(engines) if turn % 2 == 0 else list(engines)[::-1]
         results = {way: serve(engines[way], work) for way in order}
         results = {way: results[way] for way in engines}  # printed in a fixed order
         _print_rate(args.model, rate, args.num_requests, results)
+        if rate == min(rates):
+            _print_light_load(rate, work, results, models, cuda)
         if len(results) == 2:
             tpot_ratios[rate] = results["cross"]["TPOT"]["mean"] / results["naive"]["TPOT"]["mean"]
     if tpot_ratios:
