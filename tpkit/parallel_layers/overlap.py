@@ -24,7 +24,8 @@ step's communication hides behind a matmul; with gloo on the CPU the ring is cor
 The partial sums are added in ring order rather than in the order of one reduce-scatter (and the weight's
 gradient chunk by chunk rather than in one product), so results agree with the plain path to rounding, not
 bit for bit. The token dim is the one before the features (-2), as in the plain sequence-parallel
-mappings; its chunks are equal, ``tp_size`` of them.
+mappings; its chunks are equal, ``tp_size`` of them. ``torch.compile`` breaks its graph around the rings
+(its tracer refuses point-to-point ops), which then run eagerly; ``fullgraph=True`` refuses them.
 
 The layers use this with ``overlap_communication=True`` (with ``sequence_parallel=True``);
 :func:`set_overlap_communication` turns it on or off for every sequence-parallel layer of a model.
