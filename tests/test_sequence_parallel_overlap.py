@@ -4,8 +4,9 @@ The two ring collective matmuls against the unsharded product (every rank's weig
 one rank, through autograd), then each overlapped layer (column, merged, QKV, row) against the same layer
 without overlap: output and every gradient, in float64, at tp_size 2 and 4, with 3 tokens a rank (odd, so
 that a chunk boundary off by one shows), for ``[batch, seq, hidden]`` and ``[tokens, hidden]``. A small
-Llama with every sequence-parallel layer switched by ``set_overlap_communication``: the same loss and
-gradients. Bad flag combinations raise.
+Llama built with and without ``from_pretrained(..., overlap_communication=True)`` (which switches every
+sequence-parallel layer with ``set_overlap_communication``): the same loss and gradients. Bad flag
+combinations raise.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from checkpoints import make_llama_checkpoint, random_token_ids
 from torch import nn
 
+from tpkit.models import from_pretrained
 from tpkit.parallel_layers import (
     ColumnParallelLinear,
     Fp8LinearMethod,
@@ -105,6 +107,17 @@ def _layer_pair(kind: str, device: torch.device) -> tuple[nn.Module, nn.Module]:
     return plain, overlapped
 
 
+def _graph_nodes(tensor: torch.Tensor) -> set[str]:
+    """The names of the autograd nodes ``tensor`` was computed through."""
+    seen, todo = set(), [tensor.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            todo.extend(next_node for next_node, _ in node.next_functions)
+    return {type(node).__name__ for node in seen}
+
+
 def _check_layers(tp_size: int, batch: tuple[int, ...]) -> None:
     tp = init_tensor_parallel(tp_size)
     device = multirank.device()
@@ -118,6 +131,8 @@ def _check_layers(tp_size: int, batch: tuple[int, ...]) -> None:
         for layer in (plain, overlapped):
             given = x.clone().requires_grad_()
             out = layer(given)
+            ring = "_MatmulReduceScatterBackward" if kind == "row" else "_AllGatherMatmulBackward"
+            assert (ring in _graph_nodes(out)) == layer.overlap_communication, kind
             out.mul(_draw(out.shape, 20 + tp.rank, device)).sum().backward()
             outputs.append(out.detach())
             grads.append((given.grad, layer.weight.grad, layer.bias.grad))
@@ -142,10 +157,9 @@ def test_overlapped_layers_match_plain_sequence_parallel(ranks, tp_size: int, ba
 
 def _model_loss_and_grads(path: str, ids: torch.Tensor, labels: torch.Tensor, overlap: bool
                           ) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
-    from tpkit.models import from_pretrained
-
-    model = from_pretrained(path, device=multirank.device(), sequence_parallel=True)
-    switched = set_overlap_communication(model) if overlap else 0
+    model = from_pretrained(path, device=multirank.device(), sequence_parallel=True,
+                            overlap_communication=overlap)
+    switched = sum(getattr(m, "overlap_communication", False) for m in model.modules())
     logits = model(ids.to(multirank.device()))
     loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten().to(logits.device))
     loss.backward()
@@ -185,6 +199,11 @@ def test_overlap_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="expected sequence-parallel linear layers .* found none in Linear"):
         set_overlap_communication(nn.Linear(2, 2))
     assert set_overlap_communication(nn.Linear(2, 2), enabled=False) == 0
+    plain = RowParallelLinear(8, 8, sequence_parallel=True, tp_group=one_rank)
+    assert set_overlap_communication(nn.Sequential(plain)) == 1 and plain.overlap_communication
+    with pytest.raises(ValueError, match="from_pretrained: overlap_communication=True .* expected "
+                                         "sequence_parallel=True, received False"):
+        from_pretrained("unread", overlap_communication=True)
     with pytest.raises(TypeError, match="module: expected an nn.Module, got Tensor"):
         set_overlap_communication(torch.zeros(2))
     with pytest.raises(ValueError, match=r"input_: expected \[..., tokens, features\] \(2 dims or more\)"):

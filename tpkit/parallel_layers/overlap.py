@@ -108,17 +108,14 @@ def _ring_reduce_scatter(partial: Callable[[int], torch.Tensor], tp: TPGroup) ->
     for every destination (a new contiguous tensor it owns), adds the sum received for it and passes it on
     while the next destination's product runs. Destination d's sum starts at rank d + 1 and ends at d."""
     peers = _ring_peers(tp)
-    works, sending, received = [], None, None
-    for step in range(tp.size):
-        total = partial((tp.rank - step - 1) % tp.size)
-        if received is not None:
-            _wait(works, tp, total)
-            total += received
-        if step == tp.size - 1:
-            return total
-        sending, received = total, torch.empty_like(total)
-        works = _exchange(sending, received, tp, peers)
-    raise AssertionError("unreachable: the loop returns at its last step")
+    total = partial((tp.rank - 1) % tp.size)
+    for step in range(1, tp.size):
+        sent, received = total, torch.empty_like(total)
+        works = _exchange(sent, received, tp, peers)
+        total = partial((tp.rank - step - 1) % tp.size)  # while the partial sum so far travels
+        _wait(works, tp, sent)
+        total += received
+    return total
 
 
 def _unstack(stacked: torch.Tensor) -> torch.Tensor:
