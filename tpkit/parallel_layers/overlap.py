@@ -28,7 +28,8 @@ mappings; its chunks are equal, ``tp_size`` of them. ``torch.compile`` breaks it
 (its tracer refuses point-to-point ops), which then run eagerly; ``fullgraph=True`` refuses them.
 
 The layers use this with ``overlap_communication=True`` (with ``sequence_parallel=True``);
-:func:`set_overlap_communication` turns it on or off for every sequence-parallel layer of a model.
+:func:`set_overlap_communication` turns it on or off for every sequence-parallel layer of a model
+(``tpkit.models.from_pretrained(..., sequence_parallel=True, overlap_communication=True)`` calls it).
 """
 
 from __future__ import annotations
