@@ -23,7 +23,13 @@ from tpkit.models.gpt_bigcode import GPTBigCodeForCausalLM
 from tpkit.models.llama import LlamaForCausalLM
 from tpkit.models.prompts import parse_eos_token_ids
 from tpkit.models.quantization import quant_method_from_config
-from tpkit.parallel_layers import TPGroup, get_tp_group, process_weights_after_loading, skip_init
+from tpkit.parallel_layers import (
+    TPGroup,
+    get_tp_group,
+    process_weights_after_loading,
+    set_overlap_communication,
+    skip_init,
+)
 
 MODEL_CLASSES: dict[str, type[PagedLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -50,7 +56,7 @@ def model_class(config: dict[str, Any]) -> type[PagedLM]:
 def from_pretrained(name_or_path: str | os.PathLike, *, dtype: torch.dtype | str | None = None,
                     device: torch.device | str | None = None, tp_group: Any = None,
                     revision: str | None = None, cache_dir: str | os.PathLike | None = None,
-                    sequence_parallel: bool = False,
+                    sequence_parallel: bool = False, overlap_communication: bool = False,
                     kv_cache_dtype: torch.dtype | str | None = None,
                     quantization: str | None = None) -> PagedLM:
     """This rank's shard of a HuggingFace checkpoint, built on ``device`` and loaded, in eval mode.
@@ -60,7 +66,8 @@ def from_pretrained(name_or_path: str | os.PathLike, *, dtype: torch.dtype | str
     and no group over gloo, else the CPU. tp_group: a TPGroup or ProcessGroup; default the group of
     ``init_tensor_parallel`` (tp_size 1 when nothing is initialised). Every rank must call it.
     sequence_parallel: for training, the model with its residual stream split along the sequence
-    (``tpkit.models.sequence_parallel``); such a model does not generate.
+    (``tpkit.models.sequence_parallel``); such a model does not generate. overlap_communication: with it,
+    its linear layers' collectives overlapped with their products (``tpkit.parallel_layers.overlap``).
     EOS ids (and BART's decoder start and forced BOS/EOS tokens) come from generation_config.json, else
     config.json.
     kv_cache_dtype: the KV caches' dtype (``model.kv_cache_dtype``): None for the model's dtype (or float8
@@ -73,6 +80,9 @@ def from_pretrained(name_or_path: str | os.PathLike, *, dtype: torch.dtype | str
     ``quantization="fp8"`` quantizes a high-precision checkpoint's linear layers per channel as it loads.
     Llama-family models only.
     """
+    if overlap_communication and not sequence_parallel:
+        raise ValueError("from_pretrained: overlap_communication=True overlaps sequence parallelism's "
+                         "collectives: expected sequence_parallel=True, received False")
     if dtype is not None and not isinstance(dtype, (torch.dtype, str)):
         raise TypeError(f"dtype must be a torch.dtype, a dtype name or None, got {type(dtype).__name__}")
     path = resolve_checkpoint(name_or_path, revision=revision, cache_dir=cache_dir)
@@ -93,6 +103,8 @@ def from_pretrained(name_or_path: str | os.PathLike, *, dtype: torch.dtype | str
     with skip_init():
         model = cls(config, dtype=dtype, device=device, tp_group=tp_group,
                     sequence_parallel=sequence_parallel, **extra)
+    if overlap_communication:
+        set_overlap_communication(model)
     generation_config = _read_json(path, "generation_config.json") or {}
     if generation_config.get("eos_token_id") is not None:
         model.eos_token_ids = parse_eos_token_ids(generation_config["eos_token_id"])

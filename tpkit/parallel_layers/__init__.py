@@ -15,7 +15,9 @@ describes how its parameters are split with ``layer.shard_parts(param)`` (:class
 ``quant_method`` (:class:`Fp8LinearMethod`: float8 weights with per-tensor, per-channel or block scales,
 sharded by the same loaders; ``.quantization``), or get one with :func:`set_quant_method`.
 :func:`check_ranks_agree` raises on every rank where the ranks were given different values (configs,
-shapes, prompts), which would otherwise abort inside the backend or compute garbage.
+shapes, prompts), which would otherwise abort inside the backend or compute garbage. Sequence parallelism's
+collectives overlap with the products in the layers built with ``overlap_communication=True`` or given it by
+:func:`set_overlap_communication` (:func:`all_gather_matmul`, :func:`matmul_reduce_scatter`; ``.overlap``).
 """
 
 from ._consistency import check_ranks_agree
@@ -46,6 +48,7 @@ from .mappings import (
     scatter_to_sequence_parallel_region,
     scatter_to_tp_region,
 )
+from .overlap import all_gather_matmul, matmul_reduce_scatter, set_overlap_communication
 from .quantization import (
     Fp8LinearMethod,
     QuantizationMethod,
@@ -87,6 +90,7 @@ __all__ = [
     "ShardPart",
     "TPGroup",
     "VocabParallelEmbedding",
+    "all_gather_matmul",
     "check_ranks_agree",
     "checkpoint",
     "clip_grad_norm_",
@@ -103,6 +107,7 @@ __all__ = [
     "launch",
     "local_device",
     "mark_sequence_parallel",
+    "matmul_reduce_scatter",
     "pad_vocab_size",
     "process_weights_after_loading",
     "reduce_from_tp_region",
@@ -113,6 +118,7 @@ __all__ = [
     "scatter_to_tp_region",
     "seed_tensor_parallel",
     "set_linear_op",
+    "set_overlap_communication",
     "set_quant_method",
     "set_tensor_parallel_rng_state",
     "skip_init",

@@ -13,7 +13,9 @@ row-parallel layer and the next column-parallel one are split along the sequence
 features) rather than replicated: a column-parallel layer all-gathers its input's tokens, a row-parallel one
 reduce-scatters its output over them. The norms in between then see 1 / tp_size of the tokens:
 :func:`~tpkit.parallel_layers.mark_sequence_parallel` them, and sum their gradients with
-:func:`~tpkit.parallel_layers.reduce_sequence_parallel_grads` after backward.
+:func:`~tpkit.parallel_layers.reduce_sequence_parallel_grads` after backward. With
+``overlap_communication=True`` as well, the gather and the reduce-scatter run as rings overlapped with the
+products (:mod:`.overlap`).
 
 Forward is ``F.linear`` like ``nn.Linear`` (or the layer's ``linear_op``, :mod:`.linear_op`); with
 ``skip_bias_add=True`` it returns ``(output, bias)`` so the caller can fuse the bias into what follows.
@@ -52,6 +54,7 @@ from .mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tp_region,
 )
+from .overlap import _check_overlap, all_gather_matmul, matmul_reduce_scatter
 from .quantization import QuantizationMethod
 from .sharding import ShardPart, replicated
 from .state import TPGroup, _resolve_tp_group
@@ -200,12 +203,14 @@ class _ColumnParallelBase(_LinearBase):
     def __init__(self, input_size: int, output_size: int, output_size_per_partition: int, *, bias: bool,
                  gather_output: bool, skip_bias_add: bool, sequence_parallel: bool, tp: TPGroup,
                  params_dtype: torch.dtype | None, device: torch.device | str | None,
-                 quant_method: QuantizationMethod | None = None) -> None:
+                 quant_method: QuantizationMethod | None = None, overlap_communication: bool = False) -> None:
         if sequence_parallel and gather_output:
             raise ValueError("sequence_parallel=True takes the output split over the ranks: expected "
                              "gather_output=False, received True")
+        _check_overlap(type(self).__name__, overlap_communication, sequence_parallel, quant_method)
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
+        self.overlap_communication = overlap_communication
         super().__init__(input_size, output_size, input_size, output_size_per_partition, bias=bias,
                          skip_bias_add=skip_bias_add, tp=tp, params_dtype=params_dtype, device=device,
                          quant_method=quant_method)
@@ -262,8 +267,11 @@ class _ColumnParallelBase(_LinearBase):
     def forward(self, input_: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         # [..., input_size] -> [..., output_size_per_partition] (or [..., output_size] with gather_output)
         self._check_input(input_, self.input_size)
-        input_ = self._input_region(input_)
-        output = self._product(input_, None if self.skip_bias_add else self.bias)
+        if self.overlap_communication and self.tp_size > 1:
+            output = all_gather_matmul(input_, self.weight, None if self.skip_bias_add else self.bias,
+                                       self.tp_group, linear_op=self.linear_op)
+        else:
+            output = self._product(self._input_region(input_), None if self.skip_bias_add else self.bias)
         if not (self.gather_output and self.tp_size > 1):
             return self._with_bias(output)
         output = gather_from_tp_region(output, self.tp_group)
@@ -290,6 +298,7 @@ class ColumnParallelLinear(_ColumnParallelBase):
         skip_bias_add: bool = False,
         *,
         sequence_parallel: bool = False,
+        overlap_communication: bool = False,
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         tp_group: _TPGroupArg = None,
@@ -300,7 +309,7 @@ class ColumnParallelLinear(_ColumnParallelBase):
         super().__init__(input_size, output_size, _divide(output_size, tp.size, "output_size"), bias=bias,
                          gather_output=gather_output, skip_bias_add=skip_bias_add,
                          sequence_parallel=sequence_parallel, tp=tp, params_dtype=params_dtype, device=device,
-                         quant_method=quant_method)
+                         quant_method=quant_method, overlap_communication=overlap_communication)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       loaded_shard_id: int | str | None = None) -> None:
@@ -328,6 +337,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         skip_bias_add: bool = False,
         *,
         sequence_parallel: bool = False,
+        overlap_communication: bool = False,
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         tp_group: _TPGroupArg = None,
@@ -342,7 +352,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = list(output_sizes)
         super().__init__(input_size, sum(output_sizes), bias=bias, gather_output=gather_output,
                          skip_bias_add=skip_bias_add, sequence_parallel=sequence_parallel,
-                         params_dtype=params_dtype, device=device, tp_group=tp, quant_method=quant_method)
+                         params_dtype=params_dtype, device=device, tp_group=tp, quant_method=quant_method,
+                         overlap_communication=overlap_communication)
 
     def _shard_pieces(self, index: int) -> tuple[int, int, int]:
         """(start in this rank's rows, start in the full output, length) of matrix ``index``'s share."""
@@ -401,6 +412,7 @@ class QKVParallelLinear(_ColumnParallelBase):
         skip_bias_add: bool = False,
         *,
         sequence_parallel: bool = False,
+        overlap_communication: bool = False,
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         tp_group: _TPGroupArg = None,
@@ -433,7 +445,7 @@ class QKVParallelLinear(_ColumnParallelBase):
         super().__init__(hidden_size, output_size, self.q_size + 2 * self.kv_size, bias=bias,
                          gather_output=False, skip_bias_add=skip_bias_add,
                          sequence_parallel=sequence_parallel, tp=tp, params_dtype=params_dtype, device=device,
-                         quant_method=quant_method)
+                         quant_method=quant_method, overlap_communication=overlap_communication)
 
     def _qkv_piece(self, shard: str) -> tuple[int, int, int, int]:
         """(start in this rank's rows, start in the q/k/v checkpoint tensor, length, offset when fused)."""
@@ -537,6 +549,7 @@ class RowParallelLinear(_LinearBase):
         skip_bias_add: bool = False,
         *,
         sequence_parallel: bool = False,
+        overlap_communication: bool = False,
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         tp_group: _TPGroupArg = None,
@@ -547,10 +560,12 @@ class RowParallelLinear(_LinearBase):
             raise ValueError(f"sequence_parallel=True takes a split input and reduces the results: expected "
                              f"input_is_parallel=True and reduce_results=True, received {input_is_parallel} "
                              f"and {reduce_results}")
+        _check_overlap(type(self).__name__, overlap_communication, sequence_parallel, quant_method)
         tp = _resolve_tp_group(tp_group)
         self.input_is_parallel = input_is_parallel
         self.reduce_results = reduce_results
         self.sequence_parallel = sequence_parallel
+        self.overlap_communication = overlap_communication
         super().__init__(input_size, output_size, _divide(input_size, tp.size, "input_size"), output_size,
                          bias=bias, skip_bias_add=skip_bias_add, tp=tp, params_dtype=params_dtype,
                          device=device, quant_method=quant_method)
@@ -597,10 +612,14 @@ class RowParallelLinear(_LinearBase):
             return self._with_bias(self._product(input_, self.bias if add_bias else None))
         if not self.input_is_parallel:
             input_ = scatter_to_tp_region(input_, self.tp_group)
-        output = self._product(input_, None)
         if self.sequence_parallel:
-            output = reduce_scatter_to_sequence_parallel_region(output, self.tp_group)
+            if self.overlap_communication:
+                output = matmul_reduce_scatter(input_, self.weight, self.tp_group, linear_op=self.linear_op)
+            else:
+                output = reduce_scatter_to_sequence_parallel_region(self._product(input_, None),
+                                                                    self.tp_group)
             return self._with_bias(output + self.bias if add_bias else output)
+        output = self._product(input_, None)
         if self.reduce_results:
             output = _reduce_from_tp_region_(output, self.tp_group)
             if add_bias:
