@@ -34,7 +34,6 @@ from .launch import RankError, RankPool, free_port, launch, local_device
 from .linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
-    QKVParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
 )
@@ -49,6 +48,7 @@ from .mappings import (
     scatter_to_tp_region,
 )
 from .overlap import all_gather_matmul, matmul_reduce_scatter, set_overlap_communication
+from .qkv import QKVParallelLinear
 from .quantization import (
     Fp8LinearMethod,
     QuantizationMethod,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .linear import QKVParallelLinear
+from .qkv import QKVParallelLinear
 
 _Biases = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 _QKV = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]

@@ -25,8 +25,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ._failures import collective_failed
-from .linear import QKVParallelLinear, RowParallelLinear
+from .linear import RowParallelLinear
 from .mappings import _all_reduce
+from .qkv import QKVParallelLinear
 from .state import TPGroup, _resolve_tp_group
 
 # Set on a module whose parameters act on a rank's share of the tokens (mark_sequence_parallel): a module
