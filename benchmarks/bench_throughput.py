@@ -1,23 +1,27 @@
 """Offline throughput: many requests of different lengths through tpkit's engine, tpkit's static ``generate``
 and transformers' continuous batching, with the roofline the run allows.
 
-    PYTHONPATH=. python3 benchmarks/bench_throughput.py [--num-requests 256] [--small]
+    PYTHONPATH=. python3 benchmarks/bench_throughput.py [--num-requests 256] [--impls engine,static] [--small]
 
 Llama-3-8B shapes with random bf16 weights; ``--num-requests`` requests whose prompt lengths are drawn
 uniformly from 128-1024 tokens (``random.Random(0)``), 256 new tokens each, EOS ignored. Prints requests/s
 and output tokens/s of each, and the roofline: the prompts' FLOPs at the device's bf16 matmul rate plus, per
 decode step, the weights' and the KV cache's bytes at its copy bandwidth (steps of ``max_num_seqs``
-requests), with the engine's fraction of it. ``--small``: a two-layer model, 8 short requests, on the CPU
-as a smoke test (no roofline).
+requests), with the engine's fraction of it. ``--impls`` picks the rows (``engine``, ``static``,
+``transformers``; all by default); the figure of transformers measured on an H200
+(``benchmarks/baselines/throughput_h200.json``) is printed beside them. ``--small``: a two-layer model, 8
+short requests, on the CPU as a smoke test (no roofline).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from bench_latency import LLAMA3_8B, SMALL_LLAMA
@@ -25,6 +29,9 @@ from bench_latency import LLAMA3_8B, SMALL_LLAMA
 from tpkit.models import LlamaForCausalLM
 from tpkit.parallel_layers import TPGroup
 from tpkit.serving import Engine, SamplingParams
+
+BASELINE = json.loads((Path(__file__).parent / "baselines" / "throughput_h200.json").read_text())
+IMPLS = ("engine", "static", "transformers")
 
 
 def _requests(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
@@ -85,8 +92,12 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--static-batch", type=int, default=64)
+    parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated rows out of {IMPLS}")
     parser.add_argument("--small", action="store_true", help="a small model on the CPU (smoke test)")
     args = parser.parse_args()
+    impls = args.impls.split(",")
+    if unknown := sorted(set(impls) - set(IMPLS)):
+        parser.error(f"--impls: expected names out of {IMPLS}, got {unknown}")
     args.num_requests = args.num_requests or (8 if args.small else 256)
     args.output_len = args.output_len or (8 if args.small else 256)
     cuda = torch.cuda.is_available() and not args.small
@@ -97,8 +108,8 @@ def main() -> None:
                              tp_group=TPGroup(None, 0, 1)).eval()
     prompts = _requests(args, config["vocab_size"])
     rows = []
-
-    rows.append(("tpkit Engine", *_engine_run(model, prompts, args, cuda)))
+    if "engine" in impls:
+        rows.append(("tpkit Engine", *_engine_run(model, prompts, args, cuda)))
 
     def static() -> list[list[int]]:
         out = []
@@ -107,9 +118,11 @@ def main() -> None:
                                   cuda_graph=cuda, prefix_caching=True)
         return out
 
-    rows.append((f"tpkit generate, batches of {args.static_batch}", *_timed(device, static)))
-    model.clear_kv_cache()
-    rows.append(_transformers_row(config, prompts, args, device))
+    if "static" in impls:
+        rows.append((f"tpkit generate, batches of {args.static_batch}", *_timed(device, static)))
+        model.clear_kv_cache()
+    if "transformers" in impls:
+        rows.append(_transformers_row(config, prompts, args, device))
     where = torch.cuda.get_device_name() if cuda else "the CPU"
     print(f"{args.num_requests} requests, prompts of {min(map(len, prompts))}-{max(map(len, prompts))} "
           f"tokens, {args.output_len} new tokens each, on {where}")
@@ -119,9 +132,15 @@ def main() -> None:
             continue
         print(f"  {name}: {seconds:.2f} s, {args.num_requests / seconds:.2f} requests/s, "
               f"{tokens / seconds:.0f} output tokens/s")
-    if cuda:
+    peer = BASELINE["rows"][0]
+    measured = BASELINE["measured"]
+    print(f"  {peer['implementation']} on an {measured['gpu']} ({measured['date']}, {peer['num_requests']} "
+          f"requests): {peer['seconds']:.1f} s, {peer['output_tokens_per_s']} output tokens/s")
+    if cuda and "engine" in impls:
+        engine_s, engine_tokens = rows[0][1], rows[0][2]
         floor = roofline_s(model, prompts, args.output_len, args.max_num_seqs)
-        print(f"  roofline: {floor:.2f} s; the engine reaches {floor / rows[0][1]:.0%} of it")
+        print(f"  roofline: {floor:.2f} s; the engine reaches {floor / engine_s:.0%} of it, "
+              f"{engine_tokens / engine_s / peer['output_tokens_per_s']:.1f}x the baseline's tokens/s")
 
 
 def _engine_run(model: LlamaForCausalLM, prompts: list[list[int]], args: argparse.Namespace,
