@@ -13,7 +13,8 @@
 
 namespace tpkit {
 
-constexpr int kMaxStages = 4;  // cp_async_wait_dynamic waits with up to 3 groups pending
+constexpr int kMaxStages = 4;      // 16-bit caches' deepest pipeline
+constexpr int kMaxFp8Stages = 8;   // float8 caches': a tile holds half the bytes (cp_async_wait_dynamic: <= 7 pending)
 
 inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
@@ -129,18 +130,18 @@ AttentionKernel wgmma_kernel(int warpgroups, bool multi) {
 }
 
 // Pipeline depth against resident blocks (registers and shared memory decide how many fit): the stage count
-// (2 .. kMaxStages) for `kernel` with `threads` threads and block_bytes(stages) bytes of shared memory. With
+// (2 .. max_stages) for `kernel` with `threads` threads and block_bytes(stages) bytes of shared memory. With
 // prefer_depth, the most 64-token tiles in flight per multiprocessor, (stages - 1) x resident blocks;
 // otherwise a depth that keeps more blocks resident wins while it keeps at least 2/3 as many tiles in
 // flight: more warps hide the start and end of short blocks and the tensor-core work of large groups.
 template <typename BlockBytes>
 cudaError_t choose_pipeline(const void* kernel, int threads, BlockBytes block_bytes, bool prefer_depth,
-                            int* stages, int* smem, int* blocks_per_sm) {
+                            int* stages, int* smem, int* blocks_per_sm, int max_stages = kMaxStages) {
   int smem_limit = 0;
   cudaError_t err = kernel_dynamic_smem_limit(kernel, &smem_limit);
   if (err != cudaSuccess) return err;
   *stages = *smem = *blocks_per_sm = 0;
-  for (int s = 2; s <= kMaxStages; ++s) {
+  for (int s = 2; s <= max_stages; ++s) {
     const int bytes = block_bytes(s);
     if (bytes > smem_limit) break;
     int resident = 0;
@@ -342,10 +343,10 @@ cudaError_t plan_mma(tpkit_paged_attention_args* a) {
   const int num_warps = warps_m * warps_n;
   const int rows = warps_m * 16;
   const int epilogue_bytes = (2 * num_warps * 16 + 3 * rows) * 4 + num_warps * 16 * Padded::kOutStride * 4;
-  // Q, then the K/V stages (reused by the epilogue); a float8 cache's stages hold its bytes as stored, and
-  // one tile of K and V in T the products read.
+  // Q, then the K/V stages (reused by the epilogue); a float8 cache's stages hold its bytes as stored.
+  const int fp8_row_bytes = Fp8Layout<HEAD % 16 == 0 ? HEAD : 16>::kRowBytes;
   auto block_bytes = [&](int row_bytes, int stages) {
-    const int tiles = fp8 ? 2 * kTileTokens * (row_bytes + stages * HEAD) : stages * 2 * kTileTokens * row_bytes;
+    const int tiles = stages * 2 * kTileTokens * (fp8 ? fp8_row_bytes : row_bytes);
     return rows * row_bytes + std::max(tiles, epilogue_bytes);
   };
   // Long blocks of small groups (one row tile) take the deepest pipeline.
@@ -356,7 +357,7 @@ cudaError_t plan_mma(tpkit_paged_attention_args* a) {
   const void* kernel = reinterpret_cast<const void*>(mma_kernel<T, HEAD>(slices, false, multi, a->cache_fp8));
   int stages = 0, smem = 0, blocks_per_sm = 0;
   err = choose_pipeline(kernel, num_warps * 32, [&](int s) { return block_bytes(Padded::kRowBytes, s); },
-                        prefer_depth, &stages, &smem, &blocks_per_sm);
+                        prefer_depth, &stages, &smem, &blocks_per_sm, fp8 ? kMaxFp8Stages : kMaxStages);
   if (err != cudaSuccess) return err;
   a->m_groups = m_groups;
   a->rows_per_cta = rows;

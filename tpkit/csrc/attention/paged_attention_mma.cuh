@@ -29,6 +29,7 @@ constexpr int kLoaderThreads = 128;  // threads that issue the cp.async copies (
 constexpr int kMaxThreads = 256;
 constexpr int kMinBlockSize = 8;  // smallest supported KV block: at most 8 pages per tile
 constexpr int kPageRing = 8;      // page-id slots, one per tile; more than the deepest pipeline (4) + 1
+constexpr int kFp8PageRing = 16;  // the same for float8 caches, whose pipelines are up to 8 deep
 
 // Head size rounded up to the mma k-step.
 constexpr int padded_head(int head) { return (head + 15) / 16 * 16; }
@@ -87,18 +88,74 @@ __device__ __forceinline__ ScoreMap score_map(const tpkit_paged_attention_args& 
   return {p.scale_log2 * k_scale, p.soft_cap_scale * k_scale, p.soft_cap_log2};
 }
 
-// A float8 stage (kTileTokens rows of HEAD bytes, as stored) into the T tile the products read (layout L),
-// by every thread of the block; the caller synchronises before and after.
-template <typename T, int FP8, int HEAD, typename L>
-__device__ __forceinline__ void convert_fp8_tile(const uint8_t* stage, uint4* tile) {
-  constexpr int kChunks8 = HEAD / 16;  // 16-byte chunks of a stored row: two of T each
-  for (int i = threadIdx.x; i < kTileTokens * kChunks8; i += blockDim.x) {
-    const int t = i / kChunks8;
-    const int c = i - t * kChunks8;
-    const uint4 raw = *reinterpret_cast<const uint4*>(stage + i * 16);
-    tile[t * L::kRowStride + L::chunk(t, 2 * c)] = fp8x8_to<T, FP8>(make_uint2(raw.x, raw.y));
-    tile[t * L::kRowStride + L::chunk(t, 2 * c + 1)] = fp8x8_to<T, FP8>(make_uint2(raw.z, raw.w));
+// Shared-memory layout of a float8 stage's row (a token's K or V as stored, HEAD bytes) in 16-byte chunks,
+// one mma k-step each. ldmatrix reads a chunk of 8 consecutive rows at once, which must sit in 8 distinct
+// bank groups: rows of 1, 2, 4 or a multiple of 8 chunks are unpadded and swizzled (chunk c of row r at c ^
+// swizzle(r)), other rows padded to an odd number of chunks.
+template <int HEAD>
+struct Fp8Layout {
+  static_assert(HEAD % 16 == 0, "float8 rows load in 16-byte chunks");
+  static constexpr int kChunks = HEAD / 16;
+  static constexpr bool kSwizzled = kChunks == 1 || kChunks == 2 || kChunks == 4 || kChunks % 8 == 0;
+  static constexpr int kRowStride = kSwizzled ? kChunks : kChunks | 1;
+  static constexpr int kRowBytes = kRowStride * 16;
+  // The XOR of row r's chunks: 8 rows of 128 / (16 kChunks) rows a 128-byte line take 8 distinct slots.
+  __device__ static int swizzle(int r) {
+    return kChunks >= 8 ? r & 7 : kChunks == 4 ? (r >> 1) & 3 : kChunks == 2 ? (r >> 2) & 1 : 0;
   }
+  // Where chunk c of row r is stored (in chunks from the stage's start).
+  __device__ static int chunk(int r, int c) { return r * kRowStride + (kSwizzled ? c ^ swizzle(r) : c); }
+  // ldmatrix of chunk (even k) + x of row r: address at(row address + k * 16, lane_bits(r, x)) + lane_base(x)
+  // * 16, the swizzle one XOR of address bits 4-6 (rows start kRowBytes-aligned).
+  __device__ static int lane_base(int x) { return kSwizzled ? 0 : x; }
+  __device__ static uint32_t lane_bits(int r, int x) { return kSwizzled ? (x ^ swizzle(r)) << 4 : 0u; }
+  __device__ static uint32_t at(uint32_t addr, uint32_t bits) { return kSwizzled ? addr ^ bits : addr; }
+};
+
+// A float8 cache's products run in fp16, which holds every float8 value exactly; the block's query rows
+// (layout L, in shared memory) are rewritten for them once, by every thread (the caller synchronises before
+// and after). bf16 queries are converted, times 2^-q_exp, the power of two that brings the block's largest
+// magnitude into [2^14, 2^15) (bf16 exceeds fp16's range; returns q_exp, which the score scale takes back).
+// Each k-step's 16 columns are reordered to columns 0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15: an
+// ldmatrix of float8 K gives a lane 4 consecutive columns (4c .. 4c + 3) where the mma takes columns 2c, 2c +
+// 1, 2c + 8, 2c + 9, and a dot product does not depend on the order of its terms. max_bits: a shared word,
+// zeroed before the caller's barrier.
+template <typename T, typename L>
+__device__ __forceinline__ int prepare_fp8_query(uint4* q_s, int rows, unsigned* max_bits) {
+  int q_exp = 0;
+  if constexpr (DTypeTraits<T>::kIsBF16) {
+    float mx = 0.f;  // fmaxf skips NaN: NaN queries stay NaN below, whatever the scale
+    for (int i = threadIdx.x; i < rows * L::kPaddedChunks; i += blockDim.x) {
+      const int r = i / L::kPaddedChunks;
+      const uint4 x = q_s[r * L::kRowStride + L::chunk(r, i - r * L::kPaddedChunks)];
+      const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        mx = fmaxf(mx, fmaxf(fabsf(__uint_as_float(w[j] << 16)), fabsf(__uint_as_float(w[j] & 0xffff0000u))));
+      }
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, offset));
+    if ((threadIdx.x & 31) == 0) atomicMax(max_bits, __float_as_uint(mx));  // non-negative: ordered as ints
+    __syncthreads();
+    const float block_max = __uint_as_float(*max_bits);
+    q_exp = block_max > 0.f && block_max <= 3.4028235e38f ? ilogbf(block_max) - 14 : 0;
+  }
+  const float q_mul = ldexpf(1.f, -q_exp);
+  auto to_half2 = [&](uint32_t w) -> uint32_t {
+    if constexpr (!DTypeTraits<T>::kIsBF16) return w;
+    return DTypeTraits<__half>::pack2(__uint_as_float(w << 16) * q_mul, __uint_as_float(w & 0xffff0000u) * q_mul);
+  };
+  for (int i = threadIdx.x; i < rows * L::kKSteps; i += blockDim.x) {
+    const int r = i / L::kKSteps;
+    const int ks = i - r * L::kKSteps;
+    uint4* lo = q_s + r * L::kRowStride + L::chunk(r, 2 * ks);
+    uint4* hi = q_s + r * L::kRowStride + L::chunk(r, 2 * ks + 1);
+    const uint4 x = *lo, y = *hi;  // column pairs 0-3 and 4-7 of the k-step
+    *lo = make_uint4(to_half2(x.x), to_half2(x.z), to_half2(y.x), to_half2(y.z));
+    *hi = make_uint4(to_half2(x.y), to_half2(x.w), to_half2(y.y), to_half2(y.w));
+  }
+  return q_exp;
 }
 
 // The RowPair of a thread's rows row0, row1 (ALiBi slope 0 for padding rows), their keys cut at the
@@ -307,9 +364,10 @@ __device__ __forceinline__ void merge_in_cluster(int num_parts, bool attended, i
 }
 
 // FP8: the caches' float8 format (tpkit_fp8_format), or TPKIT_FP8_NONE for caches of T. A float8 tile streams
-// into its stage as stored (half the bytes), and each thread block converts it, once per tile, into the one
-// T tile the products read: exactly (every float8 value is a T), its scales on the scores (k) and the output
-// (v), so the products are those of the 16-bit kernel.
+// into its stage as stored (half the bytes) and the products read it from there: each ldmatrix fragment is
+// converted in registers into fp16 (exactly), the query rewritten to match (prepare_fp8_query), and V's
+// fragments split by column parity, so that each 16-column chunk's even and odd columns are two 8-column
+// output tiles. The scales go on the scores (k) and the output (v).
 // SLICES: 16-token slices a warp takes at a time (1 or 2; the plan's `slices`). Two give twice the independent
 // mma chains in flight and one softmax update per 32 tokens, for the large groups that are bound by issue
 // latency; a kernel of its own, so the one-slice kernel keeps its registers. SWIZZLED: the layout (MmaLayout).
@@ -320,10 +378,12 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
     paged_attention_mma_kernel(const tpkit_paged_attention_args p) {
   using L = MmaLayout<HEAD, SWIZZLED>;
   static_assert(SLICES == 1 || (SLICES == 2 && !L::kQueryInRegisters), "two slices only with Q in shared memory");
-  using Traits = DTypeTraits<T>;
   constexpr bool kFp8 = FP8 != TPKIT_FP8_NONE;
   static_assert(!kFp8 || (HEAD % 16 == 0 && SLICES == 1), "float8 rows load in 16-byte chunks, one slice");
   using KV = std::conditional_t<kFp8, uint8_t, T>;  // a cache element as stored
+  using F = Fp8Layout<kFp8 ? HEAD : 16>;             // float8 stages' rows
+  using CT = std::conditional_t<kFp8, __half, T>;    // the products' operand type
+  constexpr bool kMmaBF16 = DTypeTraits<CT>::kIsBF16;
   constexpr int C = L::kChunks;
   constexpr int CL = HEAD * static_cast<int>(sizeof(KV)) / 16;  // 16-byte chunks a cached row loads in
   constexpr int RS = L::kRowStride;
@@ -373,15 +433,12 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
   const int rows_valid = qr.rows_valid;
   const int* bt_row = p.block_tables + static_cast<int64_t>(qr.seq) * p.bt_stride;
 
-  // The products' K and V tiles: every stage's, or a float8 cache's one converted tile.
-  constexpr int kTileSets = kFp8 ? 1 : 0;  // 0: as many as stages
-  const int tile_sets = kTileSets > 0 ? kTileSets : num_stages;
-  uint4* q_s = smem;                                // [rows][RS]
-  uint4* k_s = q_s + rows * RS;                     // [tile_sets][kTileTokens][RS]
-  uint4* v_s = k_s + tile_sets * kTileTokens * RS;  // [tile_sets][kTileTokens][RS]
-  // Float8 stages, as stored: [num_stages][kTileTokens][HEAD] bytes each of K and V.
-  uint8_t* k8_s = reinterpret_cast<uint8_t*>(v_s + tile_sets * kTileTokens * RS);
-  uint8_t* v8_s = k8_s + num_stages * kTileTokens * HEAD;
+  uint4* q_s = smem;                                 // [rows][RS]
+  uint4* k_s = q_s + rows * RS;                      // [num_stages][kTileTokens][RS]
+  uint4* v_s = k_s + num_stages * kTileTokens * RS;  // [num_stages][kTileTokens][RS]
+  // Float8 stages in their place, as stored: [num_stages][kTileTokens][F::kRowStride] chunks of K, then V.
+  uint4* k8_s = k_s;
+  uint4* v8_s = k8_s + num_stages * kTileTokens * F::kRowStride;
 
   const KV* k_base = static_cast<const KV*>(p.key_cache) + static_cast<int64_t>(kv_head) * p.kc_stride_head;
   const KV* v_base = static_cast<const KV*>(p.value_cache) + static_cast<int64_t>(kv_head) * p.vc_stride_head;
@@ -390,13 +447,14 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
   // Physical pages of the tiles ahead, one ring slot per tile: a tile's block-table reads are issued an
   // iteration before its copies, so no copy waits on a dependent global load. Entries past the sequence's
   // end (inside its table row) are read too, so the reads need not wait for its length; copies skip them.
-  __shared__ int page_s[kPageRing][kTileTokens / kMinBlockSize];
+  constexpr int kRing = kFp8 ? kFp8PageRing : kPageRing;
+  __shared__ int page_s[kRing][kTileTokens / kMinBlockSize];
   auto page_of = [&](int tile, int j) -> int {  // j-th page of tile, or -1 past the partition's entries
     const int pos = start + tile * kTileTokens + (j << bs_log2);
     return pos < table_end ? __ldg(bt_row + (pos >> bs_log2)) : -1;
   };
 
-  // Prologue: pages of the first num_stages tiles (at most 4 x 8 entries, one a thread) and the query (its
+  // Prologue: pages of the first num_stages tiles (at most 8 x 8 entries, one a thread) and the query (its
   // own cp.async group, the first) in flight together; then tiles 0 .. num_stages - 2.
   const bool reads_page = tid < num_stages * pages_per_tile;
   const int first_page = reads_page ? page_of(tid / pages_per_tile, tid % pages_per_tile) : -1;
@@ -444,10 +502,10 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
     const unsigned loader = kFixedChunk ? static_cast<unsigned>(tid) : opaque_thread_index();
     const int tile_tokens = end - (start + tile * kTileTokens);  // tokens of this tile before the end
     const int tile_skip = first_key - (start + tile * kTileTokens);  // tokens of this tile before the first
-    const int* pages = page_s[tile % kPageRing];
+    const int* pages = page_s[tile % kRing];
     const uint64_t stream_policy = l2_evict_first_policy();
-    const uint32_t k_dst = kFp8 ? smem_addr(k8_s + stage * kTileTokens * HEAD) : smem_addr(k_s + stage * kTileTokens * RS);
-    const uint32_t v_dst = kFp8 ? smem_addr(v8_s + stage * kTileTokens * HEAD) : smem_addr(v_s + stage * kTileTokens * RS);
+    const uint32_t k_dst = smem_addr(kFp8 ? k8_s + stage * kTileTokens * F::kRowStride : k_s + stage * kTileTokens * RS);
+    const uint32_t v_dst = smem_addr(kFp8 ? v8_s + stage * kTileTokens * F::kRowStride : v_s + stage * kTileTokens * RS);
 #pragma unroll
     for (int it = 0; it < kLoadIters; ++it) {
       const int i = static_cast<int>(loader) + it * kLoaderThreads;
@@ -466,14 +524,16 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
             mad_wide(page_index, k_block_bytes, mad_wide(off, k_token_bytes, k_row)));
         const void* vsrc = reinterpret_cast<const void*>(
             mad_wide(page_index, v_block_bytes, mad_wide(off, v_token_bytes, v_row)));
-        const uint32_t dst = kFp8 ? (t * CL + c) * 16 : (t * RS + L::chunk(t, c)) * 16;
+        const uint32_t dst = kFp8 ? F::chunk(t, c) * 16 : (t * RS + L::chunk(t, c)) * 16;
         cp_async_16(k_dst + dst, ksrc, valid, stream_policy);
         cp_async_16(v_dst + dst, vsrc, valid, stream_policy);
       }
     }
   };
 
-  if (reads_page) page_s[(tid / pages_per_tile) % kPageRing][tid % pages_per_tile] = first_page;
+  if (reads_page) page_s[(tid / pages_per_tile) % kRing][tid % pages_per_tile] = first_page;
+  __shared__ unsigned q_max_bits;  // prepare_fp8_query's
+  if (kFp8 && tid == 0) q_max_bits = 0u;
   if constexpr (L::kPaddedChunks > C) {
     // The k-step padding column (head size 120) is never copied into: zero it once in every stage.
     for (int i = tid; i < 2 * num_stages * kTileTokens; i += blockDim.x) {
@@ -487,6 +547,11 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
   }
   cp_async_wait_dynamic(num_stages - 1);  // the query's group
   __syncthreads();  // q_s and the zeroed padding are visible
+  int q_exp = 0;
+  if constexpr (kFp8) {
+    q_exp = prepare_fp8_query<T, L>(q_s, rows, &q_max_bits);
+    __syncthreads();
+  }
 
   const bool warp_active = warp_m * 16 < rows_valid;
   const int row0 = warp_m * 16 + (lane >> 2);  // this thread's two rows of the warp's 16-row tile
@@ -494,7 +559,7 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
   const RowPair rp = row_pair(p, qr, row0, row1, end);
   // A float8 cache's scales: k's on the scores, v's on the output.
   const int scale_index = kFp8 && p.kv_scale_per_head ? kv_head : 0;
-  const ScoreMap map = score_map(p, kFp8 ? p.k_scale[scale_index] : 1.f);
+  const ScoreMap map = score_map(p, kFp8 ? ldexpf(p.k_scale[scale_index], q_exp) : 1.f);
   const float out_scale = kFp8 ? p.v_scale[scale_index] : 1.f;
 
   uint32_t q_frag[L::kQueryInRegisters ? L::kKSteps : 1][4];
@@ -519,6 +584,10 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
   const uint32_t k_xor = L::lane_bits(lane, (lane >> 3) & 1);
   const int v_lane_off = ((lane & 7) + (((lane >> 3) & 1) << 3)) * RS + L::lane_base(lane >> 4);
   const uint32_t v_xor = L::lane_bits(lane, lane >> 4);
+  // Float8 K and V alike: matrices (tokens 0-7, chunk c), (tokens 8-15, c), (0-7, c + 1), (8-15, c + 1).
+  const int f_row = (lane & 7) + (((lane >> 3) & 1) << 3);
+  const int f_lane_off = f_row * F::kRowStride + F::lane_base(lane >> 4);
+  const uint32_t f_xor = F::lane_bits(f_row, lane >> 4);
 
   // A counter, not tile % num_stages: a division by a run-time value is some 20 instructions a tile.
   for (int tile = 0, stage = 0; tile < num_tiles; ++tile, stage = stage + 1 == num_stages ? 0 : stage + 1) {
@@ -531,15 +600,10 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
     cp_async_commit();
     cp_async_wait_dynamic(num_stages - 1);
     __syncthreads();
-    if constexpr (kFp8) {
-      convert_fp8_tile<T, FP8, HEAD, L>(k8_s + stage * kTileTokens * HEAD, k_s);
-      convert_fp8_tile<T, FP8, HEAD, L>(v8_s + stage * kTileTokens * HEAD, v_s);
-      __syncthreads();
-    }
 
     const int tile_start = start + tile * kTileTokens;
-    const uint32_t k_stage = smem_addr(k_s + (kFp8 ? 0 : stage) * kTileTokens * RS);
-    const uint32_t v_stage = smem_addr(v_s + (kFp8 ? 0 : stage) * kTileTokens * RS);
+    const uint32_t k_stage = smem_addr(kFp8 ? k8_s + stage * kTileTokens * F::kRowStride : k_s + stage * kTileTokens * RS);
+    const uint32_t v_stage = smem_addr(kFp8 ? v8_s + stage * kTileTokens * F::kRowStride : v_s + stage * kTileTokens * RS);
     if (warp_active) {
       for (int tok0 = warp_n * tokens_per_warp; tok0 < (warp_n + 1) * tokens_per_warp; tok0 += 16 * SLICES) {
         if (tile_start + tok0 >= end) break;  // the rest of this warp's slice is past the end
@@ -548,22 +612,53 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
         float s[NJ][4];
 #pragma unroll
         for (int j = 0; j < NJ; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-        const uint32_t k_addr = k_stage + (tok0 * RS + k_lane_off) * 16;
-#pragma unroll
-        for (int ks = 0; ks < L::kKSteps; ++ks) {
-          uint32_t a[4];
+        // The query's fragments of k-step ks.
+        auto query_step = [&](uint32_t (&a)[4], int ks) {
           if constexpr (L::kQueryInRegisters) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) a[i] = q_frag[ks][i];
           } else {
             ldmatrix_x4(a, L::at(q_addr + ks * 2 * 16, q_xor));
           }
+        };
+        if constexpr (kFp8) {
+          // A lane's 4 bytes of a chunk: columns 4c .. 4c + 3 of its token, the mma's b0 and b1 pairs.
+          const uint32_t k_addr = k_stage + (tok0 * F::kRowStride + f_lane_off) * 16;
 #pragma unroll
-          for (int sl = 0; sl < SLICES; ++sl) {
-            uint32_t b[4];
-            ldmatrix_x4(b, L::at(k_addr + (sl * 16 * RS + ks * 2) * 16, k_xor));
-            mma_m16n8k16<Traits::kIsBF16>(s[2 * sl], a, b[0], b[1]);
-            mma_m16n8k16<Traits::kIsBF16>(s[2 * sl + 1], a, b[2], b[3]);
+          for (int ks = 0; ks < L::kKSteps; ks += 2) {
+            uint32_t a[4];
+            query_step(a, ks);
+            if (ks + 1 < L::kKSteps) {
+              uint32_t b[4], a1[4];
+              ldmatrix_x4(b, F::at(k_addr + ks * 16, f_xor));
+              query_step(a1, ks + 1);
+#pragma unroll
+              for (int i = 0; i < 4; ++i) {
+                mma_m16n8k16<kMmaBF16>(s[i & 1], i < 2 ? a : a1, fp8x2_to_half2<FP8>(b[i]),
+                                       fp8x2_to_half2<FP8>(b[i] >> 16));
+              }
+            } else {
+              uint32_t b[2];
+              ldmatrix_x2(b, F::at(k_addr + ks * 16, f_xor));
+#pragma unroll
+              for (int i = 0; i < 2; ++i) {
+                mma_m16n8k16<kMmaBF16>(s[i], a, fp8x2_to_half2<FP8>(b[i]), fp8x2_to_half2<FP8>(b[i] >> 16));
+              }
+            }
+          }
+        } else {
+          const uint32_t k_addr = k_stage + (tok0 * RS + k_lane_off) * 16;
+#pragma unroll
+          for (int ks = 0; ks < L::kKSteps; ++ks) {
+            uint32_t a[4];
+            query_step(a, ks);
+#pragma unroll
+            for (int sl = 0; sl < SLICES; ++sl) {
+              uint32_t b[4];
+              ldmatrix_x4(b, L::at(k_addr + (sl * 16 * RS + ks * 2) * 16, k_xor));
+              mma_m16n8k16<kMmaBF16>(s[2 * sl], a, b[0], b[1]);
+              mma_m16n8k16<kMmaBF16>(s[2 * sl + 1], a, b[2], b[3]);
+            }
           }
         }
 
@@ -584,25 +679,56 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
         uint32_t pa[SLICES][4];
 #pragma unroll
         for (int sl = 0; sl < SLICES; ++sl) {
-          pa[sl][0] = Traits::pack2(s[2 * sl][0], s[2 * sl][1]);
-          pa[sl][1] = Traits::pack2(s[2 * sl][2], s[2 * sl][3]);
-          pa[sl][2] = Traits::pack2(s[2 * sl + 1][0], s[2 * sl + 1][1]);
-          pa[sl][3] = Traits::pack2(s[2 * sl + 1][2], s[2 * sl + 1][3]);
+          pa[sl][0] = DTypeTraits<CT>::pack2(s[2 * sl][0], s[2 * sl][1]);
+          pa[sl][1] = DTypeTraits<CT>::pack2(s[2 * sl][2], s[2 * sl][3]);
+          pa[sl][2] = DTypeTraits<CT>::pack2(s[2 * sl + 1][0], s[2 * sl + 1][1]);
+          pa[sl][3] = DTypeTraits<CT>::pack2(s[2 * sl + 1][2], s[2 * sl + 1][3]);
         }
-        const uint32_t v_addr = v_stage + (tok0 * RS + v_lane_off) * 16;
+        if constexpr (kFp8) {
+          // Transposed, byte j of a lane's register of a matrix is V[token 2c + (j >> 1)][column 2g + (j & 1)]
+          // (c = lane & 3, g = lane >> 2): bytes 0 and 2 are the b pair of column 2g, bytes 1 and 3 of 2g + 1.
+          // Chunk h's even columns accumulate in o[2h], its odd ones in o[2h + 1].
+          const uint32_t v_addr = v_stage + (tok0 * F::kRowStride + f_lane_off) * 16;
 #pragma unroll
-        for (int np = 0; np < L::kNTiles / 2; ++np) {
+          for (int h = 0; h < F::kChunks; h += 2) {
+            if (h + 1 < F::kChunks) {
+              uint32_t b[4];
+              ldmatrix_x4_trans(b, F::at(v_addr + h * 16, f_xor));
 #pragma unroll
-          for (int sl = 0; sl < SLICES; ++sl) {
-            uint32_t b[4];
-            ldmatrix_x4_trans(b, L::at(v_addr + (sl * 16 * RS + np * 2) * 16, v_xor));
-            mma_m16n8k16<Traits::kIsBF16>(o[2 * np], pa[sl], b[0], b[1]);
-            mma_m16n8k16<Traits::kIsBF16>(o[2 * np + 1], pa[sl], b[2], b[3]);
+              for (int i = 0; i < 4; ++i) b[i] = __byte_perm(b[i], 0u, 0x3120);  // [column 2g | column 2g + 1]
+#pragma unroll
+              for (int i = 0; i < 4; ++i) {
+                const int pair = i & 2;  // b[pair], b[pair + 1]: tokens 0-7 and 8-15 of chunk h + pair / 2
+                const uint32_t word0 = (i & 1) ? b[pair] >> 16 : b[pair];
+                const uint32_t word1 = (i & 1) ? b[pair + 1] >> 16 : b[pair + 1];
+                mma_m16n8k16<kMmaBF16>(o[2 * h + i], pa[0], fp8x2_to_half2<FP8>(word0), fp8x2_to_half2<FP8>(word1));
+              }
+            } else {
+              uint32_t b[2];
+              ldmatrix_x2_trans(b, F::at(v_addr + h * 16, f_xor));
+              b[0] = __byte_perm(b[0], 0u, 0x3120);
+              b[1] = __byte_perm(b[1], 0u, 0x3120);
+              mma_m16n8k16<kMmaBF16>(o[2 * h], pa[0], fp8x2_to_half2<FP8>(b[0]), fp8x2_to_half2<FP8>(b[1]));
+              mma_m16n8k16<kMmaBF16>(o[2 * h + 1], pa[0], fp8x2_to_half2<FP8>(b[0] >> 16),
+                                     fp8x2_to_half2<FP8>(b[1] >> 16));
+            }
+          }
+        } else {
+          const uint32_t v_addr = v_stage + (tok0 * RS + v_lane_off) * 16;
+#pragma unroll
+          for (int np = 0; np < L::kNTiles / 2; ++np) {
+#pragma unroll
+            for (int sl = 0; sl < SLICES; ++sl) {
+              uint32_t b[4];
+              ldmatrix_x4_trans(b, L::at(v_addr + (sl * 16 * RS + np * 2) * 16, v_xor));
+              mma_m16n8k16<kMmaBF16>(o[2 * np], pa[sl], b[0], b[1]);
+              mma_m16n8k16<kMmaBF16>(o[2 * np + 1], pa[sl], b[2], b[3]);
+            }
           }
         }
       }
     }
-    if (tid < pages_per_tile) page_s[ahead % kPageRing][tid] = ahead_page;
+    if (tid < pages_per_tile) page_s[ahead % kRing][tid] = ahead_page;
     __syncthreads();  // this stage is refilled, and page_s read, by the next iteration
   }
   cp_async_wait<0>();  // trailing (empty) groups; the stage buffers become the epilogue's
@@ -646,12 +772,27 @@ __global__ void __launch_bounds__(kMaxThreads) __maxnreg__(max_registers(HEAD))
     const float f0 = m0 == -INFINITY ? 0.f : fast_exp2(m0 - row_m[row0]);
     const float f1 = m1 == -INFINITY ? 0.f : fast_exp2(m1 - row_m[row1]);
     float* ro = red_o + warp * 16 * L::kOutStride;
+    if constexpr (kFp8) {
+      // o[2h] holds chunk h's columns 16h + 2n, o[2h + 1] its columns 16h + 2n + 1: a lane's four are
+      // 16h + 4c .. 16h + 4c + 3.
 #pragma unroll
-    for (int n = 0; n < L::kNTiles; ++n) {
-      const int col = n * 8 + ((lane & 3) << 1);
-      *reinterpret_cast<float2*>(ro + (lane >> 2) * L::kOutStride + col) = make_float2(o[n][0] * f0, o[n][1] * f0);
-      *reinterpret_cast<float2*>(ro + ((lane >> 2) + 8) * L::kOutStride + col) =
-          make_float2(o[n][2] * f1, o[n][3] * f1);
+      for (int h = 0; h < F::kChunks; ++h) {
+        const int col = h * 16 + ((lane & 3) << 2);
+        const float(&e)[4] = o[2 * h];
+        const float(&d)[4] = o[2 * h + 1];
+        *reinterpret_cast<float4*>(ro + (lane >> 2) * L::kOutStride + col) =
+            make_float4(e[0] * f0, d[0] * f0, e[1] * f0, d[1] * f0);
+        *reinterpret_cast<float4*>(ro + ((lane >> 2) + 8) * L::kOutStride + col) =
+            make_float4(e[2] * f1, d[2] * f1, e[3] * f1, d[3] * f1);
+      }
+    } else {
+#pragma unroll
+      for (int n = 0; n < L::kNTiles; ++n) {
+        const int col = n * 8 + ((lane & 3) << 1);
+        *reinterpret_cast<float2*>(ro + (lane >> 2) * L::kOutStride + col) = make_float2(o[n][0] * f0, o[n][1] * f0);
+        *reinterpret_cast<float2*>(ro + ((lane >> 2) + 8) * L::kOutStride + col) =
+            make_float2(o[n][2] * f1, o[n][3] * f1);
+      }
     }
   }
   __syncthreads();

@@ -35,4 +35,12 @@ __device__ __forceinline__ uint4 fp8x8_to(const uint2 raw) {
   return make_uint4(out[0], out[1], out[2], out[3]);
 }
 
+// The two float8 values in the low 16 bits of `pair` as an fp16 pair, the lower byte in the lower half.
+template <int FORMAT>
+__device__ __forceinline__ uint32_t fp8x2_to_half2(uint32_t pair) {
+  const __half2_raw h =
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair & 0xffffu), kFp8Interpretation<FORMAT>);
+  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+}
+
 }  // namespace tpkit
