@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from cuda_graphs import capture
 
-from tpkit.attention import Attention, PagedKVCache
+from tpkit.attention import Attention, PagedKVCache, paged_attention
 from tpkit.models import LlamaForCausalLM
 from tpkit.ops import _extension, decode_linear_fp8
-from tpkit.ops.paged_attention_reference import reshape_and_cache_reference
+from tpkit.ops.paged_attention_reference import paged_attention_reference, reshape_and_cache_reference
 from tpkit.parallel_layers import Fp8LinearMethod, MergedColumnParallelLinear, RowParallelLinear
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -71,6 +71,34 @@ def test_attention_over_a_float8_cache_in_a_graph():
     graph, replayed = capture(lambda: attn(*step, kv_cache=cache, layer_idx=0, metadata=decode))
     graph.replay()
     torch.testing.assert_close(replayed, eager, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("head_size", [32, 80, 96, 128, 256])
+@pytest.mark.parametrize("magnitude", [1e-30, 1.0, 3e6])
+@pytest.mark.parametrize("multi", [False, True])
+def test_float8_cache_attention_at_every_query_magnitude(head_size, magnitude, multi):
+    """bfloat16 queries far outside float16's range (the kernel's products run in float16 over a float8
+    cache) give the float32 reference's output on the dequantized cache, for decode and several tokens."""
+    gen = torch.Generator(device="cuda").manual_seed(head_size)
+    num_kv_heads, group, block_size = 2, 3, 16
+    seq_lens = torch.tensor([37, 130, 5], dtype=torch.int32, device="cuda")
+    q_lens = [4, 9, 5] if multi else [1, 1, 1]
+    key_cache, value_cache = (
+        (torch.randn(40, block_size, num_kv_heads, head_size, device="cuda", generator=gen) * 40)
+        .to(torch.float8_e4m3fn) for _ in range(2))
+    block_tables = torch.randperm(40, device="cuda", generator=gen)[:27].view(3, 9).int()
+    query = torch.randn(sum(q_lens), num_kv_heads * group, head_size, device="cuda", generator=gen)
+    query = (query * magnitude).bfloat16()  # [num_tokens, num_heads, head_size]
+    query_start_loc = torch.tensor([0, *q_lens], device="cuda").cumsum(0).int() if multi else None
+    k_scale, v_scale = torch.tensor([0.02, 0.05], device="cuda"), torch.tensor(0.03, device="cuda")
+    out = paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
+                          query_start_loc=query_start_loc, k_scale=k_scale, v_scale=v_scale)
+    expected = torch.empty_like(query, dtype=torch.float32)
+    paged_attention_reference(expected, query.float(), key_cache.float() * k_scale.view(-1, 1),
+                              value_cache.float() * v_scale, block_tables, seq_lens, head_size ** -0.5, None,
+                              query_start_loc)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.skipif(not _has_fp8_tensor_cores(), reason="needs float8 tensor cores (compute 8.9+)")
