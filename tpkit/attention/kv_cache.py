@@ -10,6 +10,7 @@ blocks by the hash chain of their token ids and keeps released blocks until thei
 from __future__ import annotations
 
 import array
+import itertools
 import logging
 import operator
 from collections.abc import Sequence
@@ -495,6 +496,10 @@ class PagedKVCache:
         if len(token_ids) != len(seq_ids):
             raise ValueError(f"PagedKVCache.{where}: token_ids: expected {len(seq_ids)} lists (one per "
                              f"seq_id), got {len(token_ids)}")
+        lists = list(token_ids)
+        if all(type(ids) is list for ids in lists) and list(map(len, lists)) == counts \
+                and _plain_ints(list(itertools.chain.from_iterable(lists)), 0) is not None:
+            return lists
         return [_as_token_ids(ids, where, seq_id, count)
                 for seq_id, count, ids in zip(seq_ids, counts, token_ids, strict=True)]
 
