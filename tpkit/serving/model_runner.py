@@ -162,6 +162,7 @@ class ModelRunner:
         if self.encoder_decoder:
             metadata["cross"] = self.caches["cross"].decode_metadata(seq_ids, append=False)
         step = model._graph_step(model._decode_step, self.caches, size, self._max_blocks, ("serving",))
-        input_ids = torch.tensor([[r.context[-1]] for r, _ in batch], device=model.device)  # [batch, 1]
+        last_tokens = torch.tensor([r.context[-1] for r, _ in batch], device=model.device)  # [batch]
+        input_ids = last_tokens[:, None]  # [batch, 1]
         return step(input_ids, metadata, list(range(len(batch)))).clone()
 
