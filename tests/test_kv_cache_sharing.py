@@ -309,3 +309,48 @@ def test_random_operations_keep_every_sequence_intact(seed):
         except RuntimeError as exc:
             assert "out of KV blocks" in str(exc)
         _check_invariants(cache, contents)
+
+
+def test_block_tables_and_slots_match_the_blocks_held_on_random_ragged_sequences():
+    """step_metadata and decode_metadata against each sequence's blocks padded with zeros by hand, and slots
+    looked up token by token: random ragged lengths, forks sharing blocks (a partly used last block too),
+    truncations, tables wider than needed and a sequence with no blocks."""
+    rng = random.Random(3)
+    block_size = 4
+    cache = PagedKVCache(num_layers=1, num_blocks=400, block_size=block_size, num_kv_heads=1, head_size=4,
+                         dtype=torch.float32, device="cpu")
+    seq_ids = list(range(12))
+    for seq_id in seq_ids[:8]:
+        cache.add_sequence(seq_id)
+        cache.append_slots([seq_id], [rng.randint(1, 40)])
+    for seq_id in seq_ids[8:11]:
+        cache.fork(rng.choice(seq_ids[:8]), seq_id, rng.randint(0, 20))
+    cache.add_sequence(seq_ids[11])  # empty: no blocks
+    cache.truncate(seq_ids[0], 3)
+    for _ in range(3):
+        rng.shuffle(seq_ids)
+        query_lens = [rng.randint(0, min(3, cache.seq_len(s))) for s in seq_ids]
+        cache.append_slots(seq_ids, query_lens)
+        held = {s: list(cache._seq_blocks[s]) for s in seq_ids}
+        needed = max(len(blocks) for blocks in held.values())
+        for width in (None, needed, needed + 7):
+            columns = needed if width is None else width
+            expected = torch.tensor([held[s] + [0] * (columns - len(held[s])) for s in seq_ids],
+                                    dtype=torch.int32)  # [num_seqs, columns]
+            metadata = cache.step_metadata(seq_ids, query_lens, block_table_width=width)
+            torch.testing.assert_close(metadata.block_tables, expected, rtol=0, atol=0)
+            spans = [range(cache.seq_len(s) - q, cache.seq_len(s))
+                     for s, q in zip(seq_ids, query_lens, strict=True)]
+            slots = [held[s][p // block_size] * block_size + p % block_size
+                     for s, span in zip(seq_ids, spans, strict=True) for p in span]
+            assert metadata.slot_mapping.tolist() == slots
+            assert metadata.seq_lens.tolist() == [cache.seq_len(s) for s in seq_ids]
+        decoding = [s for s in seq_ids if cache.seq_len(s) > 0]
+        metadata = cache.decode_metadata(decoding, block_table_width=needed + 2)
+        held = {s: cache._seq_blocks[s] for s in decoding}
+        expected = torch.tensor([held[s] + [0] * (needed + 2 - len(held[s])) for s in decoding],
+                                dtype=torch.int32)  # [num_decoding, needed + 2]
+        torch.testing.assert_close(metadata.block_tables, expected, rtol=0, atol=0)
+        positions = [cache.seq_len(s) - 1 for s in decoding]
+        assert metadata.slot_mapping.tolist() == [held[s][p // block_size] * block_size + p % block_size
+                                                  for s, p in zip(decoding, positions, strict=True)]

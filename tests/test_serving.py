@@ -224,3 +224,33 @@ def test_bad_input_is_refused_before_anything_is_queued(checkpoints):
         Engine(engine.model, kv_cache_memory=1.5)
     assert not engine.has_unfinished_requests()
     assert len(engine.generate([[5, 6]], sampling)[0]) == 4
+
+
+@pytest.mark.parametrize("name", ["llama", "bart"])
+def test_decode_steps_through_the_static_step_give_transformers_tokens(checkpoints, monkeypatch, name):
+    """Steps of decodes only run what a CUDA graph replays (static buffers, padding rows, block tables wider
+    than the sequences'), here eagerly on the CPU: the tokens are still transformers', preempted or not."""
+    from tpkit.models.cuda_graph import StaticDecodeStep
+    from tpkit.serving import Engine, SamplingParams
+
+    path, ref_tokens = checkpoints(name)
+    model = _model(path)
+    steps = {}
+
+    def graph_step(decode_step, caches, batch, max_blocks, variant):
+        key = (batch, tuple(sorted(max_blocks.items())), variant)
+        if key not in steps:
+            steps[key] = StaticDecodeStep(lambda ids, metadata: decode_step(ids, metadata, caches), batch,
+                                          max_blocks, model.device)
+        return steps[key]
+
+    monkeypatch.setattr(model, "_graph_step", graph_step)
+    for settings in ({}, dict(kv_cache_memory=6 * _block_bytes(model), max_num_batched_tokens=64)):
+        engine = Engine(model, **settings)
+        engine.runner.graph_sizes = [1, 2, 4, 8]
+        tokens = engine.generate(PROMPTS, SamplingParams(MAX_NEW_TOKENS, ignore_eos=True))
+        assert tokens == ref_tokens
+        for cache in engine.runner.caches.values():
+            assert cache.num_free_blocks == cache.num_blocks
+    assert steps and all(width == -(-model.max_positions // model.kv_block_size)
+                         for batch, widths, _ in steps for _, width in widths)

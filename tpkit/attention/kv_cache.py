@@ -9,6 +9,8 @@ blocks by the hash chain of their token ids and keeps released blocks until thei
 
 from __future__ import annotations
 
+import array
+import itertools
 import logging
 import operator
 from collections.abc import Sequence
@@ -18,6 +20,7 @@ import torch
 
 from tpkit._memory import available_bytes
 from tpkit.attention.block_pool import ROOT_HASH, BlockPool, block_hash
+from tpkit.attention.host_tensors import _block_tables, _copy_packed
 from tpkit.attention.kv_scales import FP8_KV_DTYPES, set_kv_scales
 
 logger = logging.getLogger("tpkit.attention")
@@ -75,11 +78,22 @@ def _as_count(value: object, where: str, seq_id: int, minimum: int) -> int:
     return count
 
 
+def _plain_ints(values: Sequence[object], minimum: int) -> list[int] | None:
+    """``values`` as a list where every one is a Python int >= ``minimum`` (the common case, checked at
+    once); None where any is not, for a check one by one."""
+    ids = list(values)
+    if all(type(value) is int for value in ids) and min(ids, default=minimum) >= minimum:
+        return ids
+    return None
+
+
 def _as_token_ids(token_ids: object, where: str, seq_id: int, length: int | None = None) -> list[int]:
     if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
         raise TypeError(f"PagedKVCache.{where}: token_ids: expected a list of token ids for seq_id {seq_id}, "
                         f"got {type(token_ids).__name__}")
-    ids = [_as_count(token, f"{where}: token_ids", seq_id, 0) for token in token_ids]
+    ids = _plain_ints(token_ids, 0)
+    if ids is None:
+        ids = [_as_count(token, f"{where}: token_ids", seq_id, 0) for token in token_ids]
     if length is not None and len(ids) != length:
         raise ValueError(f"PagedKVCache.{where}: token_ids: expected {length} token ids for seq_id {seq_id} "
                          f"(its num_tokens), got {len(ids)}")
@@ -154,6 +168,8 @@ class PagedKVCache:
         self.v_scales = [torch.ones((), device=self.device) for _ in range(num_layers)] if fp8 else None
         self._pool = BlockPool(num_blocks)
         self._seq_blocks: dict[int, list[int]] = {}
+        # The same blocks as C ints, kept alongside, which block tables are built from in one copy.
+        self._seq_tables: dict[int, array.array] = {}
         self._seq_lens: dict[int, int] = {}
         # The token ids of each sequence's first tokens, where they were given without a gap (the prefix
         # cache's keys), and the hash chain of its full blocks among them.
@@ -237,6 +253,7 @@ class PagedKVCache:
         for block in blocks:
             self._pool.hold(block)
         self._seq_blocks[seq_id] = blocks
+        self._seq_tables[seq_id] = array.array("i", blocks)
         self._seq_lens[seq_id] = len(blocks) * self.block_size
         self._seq_tokens[seq_id] = tokens[:self._seq_lens[seq_id]]
         self._seq_hashes[seq_id] = hashes
@@ -249,8 +266,7 @@ class PagedKVCache:
         ids: the blocks they fill are then registered in the prefix cache. A step then runs the tokens with
         :meth:`step_metadata`."""
         seq_ids = self._check_seq_ids(seq_ids)
-        for seq_id in seq_ids:
-            self._check_known(seq_id)
+        self._check_all_known(seq_ids)
         counts = self._check_counts(seq_ids, num_tokens, "append_slots", "num_tokens", 0)
         tokens = self._check_token_ids(seq_ids, counts, token_ids, "append_slots")
         self._check_available(sum(self._append_cost(s, n) for s, n in zip(seq_ids, counts, strict=True)),
@@ -265,24 +281,26 @@ class PagedKVCache:
         ``query_start_loc``: any mix of prompts, chunks, speculative tokens and decodes. Changes nothing.
         ``block_table_width`` as in :meth:`decode_metadata`."""
         seq_ids = self._check_seq_ids(seq_ids)
-        for seq_id in seq_ids:
-            self._check_known(seq_id)
+        self._check_all_known(seq_ids)
         lens = self._check_counts(seq_ids, query_lens, "step_metadata", "query_lens", 0)
-        for seq_id, q_len in zip(seq_ids, lens, strict=True):
-            if q_len > self._seq_lens[seq_id]:
+        held = [self._seq_lens[seq_id] for seq_id in seq_ids]
+        for seq_id, q_len, seq_len in zip(seq_ids, lens, held, strict=True):
+            if q_len > seq_len:
                 raise ValueError(f"PagedKVCache.step_metadata: query_lens: expected at most seq_len = "
-                                 f"{self._seq_lens[seq_id]} tokens for seq_id {seq_id} (the tokens it holds: "
+                                 f"{seq_len} tokens for seq_id {seq_id} (the tokens it holds: "
                                  f"append_slots first), got {q_len}")
         width = self._check_width(seq_ids, block_table_width, "step_metadata", grows=set())
-        block_tables = self._block_tables(seq_ids, width)  # [num_seqs, width]
-        seq_lens = torch.tensor([self._seq_lens[seq_id] for seq_id in seq_ids])  # [num_seqs]
+        flat, counts = self._flat_blocks(seq_ids)  # [total_blocks], [num_seqs]
+        block_tables = _block_tables(flat, counts, width)  # [num_seqs, width]
+        seq_lens = torch.tensor(held)  # [num_seqs]
         q_lens = torch.tensor(lens, dtype=torch.int64)  # [num_seqs]
         query_start_loc = torch.zeros(len(seq_ids) + 1, dtype=torch.int64)
         query_start_loc[1:] = q_lens.cumsum(0)
         seq = torch.repeat_interleave(torch.arange(len(seq_ids)), q_lens)  # [num_tokens]
         # Each token's cache position: the last q_len of its sequence's tokens, in order.
         positions = torch.arange(seq.shape[0]) - query_start_loc[seq] + (seq_lens - q_lens)[seq]
-        blocks = block_tables.long()[seq, torch.div(positions, self.block_size, rounding_mode="floor")]
+        first_block = counts.cumsum(0) - counts  # [num_seqs]: where each sequence's blocks start in flat
+        blocks = flat.long()[first_block[seq] + torch.div(positions, self.block_size, rounding_mode="floor")]
         slot_mapping = blocks * self.block_size + positions % self.block_size  # [num_tokens]
         return self._metadata(slot_mapping, block_tables, seq_lens, q_lens, query_start_loc)
 
@@ -314,8 +332,7 @@ class PagedKVCache:
         grow (a CUDA graph's, and the attention kernel's split-K plan, which follows the width).
         """
         seq_ids = self._check_seq_ids(seq_ids)
-        for seq_id in seq_ids:
-            self._check_known(seq_id)
+        self._check_all_known(seq_ids)
         growing = {seq_id for seq_id in seq_ids if append and self._seq_lens[seq_id] % self.block_size == 0}
         width = self._check_width(seq_ids, block_table_width, "decode_metadata", grows=growing)
         self._check_available(sum(self._append_cost(seq_id, 1) for seq_id in seq_ids) if append else 0,
@@ -331,7 +348,7 @@ class PagedKVCache:
         else:
             slot_mapping = torch.full((len(seq_ids),), -1, dtype=torch.int64)  # [num_seqs]
         seq_lens = torch.tensor([self._seq_lens[seq_id] for seq_id in seq_ids])
-        return self._metadata(slot_mapping, self._block_tables(seq_ids, width), seq_lens,
+        return self._metadata(slot_mapping, _block_tables(*self._flat_blocks(seq_ids), width), seq_lens,
                               torch.ones(len(seq_ids), dtype=torch.int64), None)
 
     def fork(self, seq_id: int, new_seq_id: int, num_tokens: int | None = None) -> None:
@@ -348,6 +365,7 @@ class PagedKVCache:
         for block in blocks:
             self._pool.hold(block)
         self._seq_blocks[new_seq_id] = list(blocks)
+        self._seq_tables[new_seq_id] = array.array("i", blocks)
         self._seq_lens[new_seq_id] = count
         self._seq_tokens[new_seq_id] = self._seq_tokens[seq_id][:count]
         self._seq_hashes[new_seq_id] = self._seq_hashes[seq_id][:count // self.block_size]
@@ -367,6 +385,7 @@ class PagedKVCache:
         num_kept = -(-kept // self.block_size)
         self._pool.release(blocks[num_kept:][::-1])
         del blocks[num_kept:]
+        del self._seq_tables[seq_id][num_kept:]
         self._seq_lens[seq_id] = kept
         del self._seq_tokens[seq_id][kept:]
         del self._seq_hashes[seq_id][kept // self.block_size:]
@@ -376,7 +395,7 @@ class PagedKVCache:
         self._check_known(seq_id)
         # Last blocks first: the prefix cache then evicts a prompt's tail before its head.
         self._pool.release(self._seq_blocks.pop(seq_id)[::-1])
-        for state in (self._seq_lens, self._seq_tokens, self._seq_hashes):
+        for state in (self._seq_tables, self._seq_lens, self._seq_tokens, self._seq_hashes):
             del state[seq_id]
 
     # Internals -------------------------------------------------------------------------------------------
@@ -396,14 +415,16 @@ class PagedKVCache:
             # longer the tokens the prefix cache knows it by.
             last = blocks[-1]
             if self._pool.ref_count(last) > 1:
-                blocks[-1] = self._copy_block(last)
+                blocks[-1] = self._seq_tables[seq_id][-1] = self._copy_block(last)
                 self._pool.release([last])
             elif self._pool.is_registered(last):
                 self._pool.unregister(last)
         end = length + num_tokens
         grow = -(-end // self.block_size) - len(blocks)
         if grow:
-            blocks += self._pool.allocate(grow)
+            new_blocks = self._pool.allocate(grow)
+            blocks += new_blocks
+            self._seq_tables[seq_id].extend(new_blocks)
         self._seq_lens[seq_id] = end
         if token_ids is not None:
             self._register_tokens(seq_id, length, token_ids)
@@ -444,6 +465,11 @@ class PagedKVCache:
             raise ValueError(f"PagedKVCache: seq_id: expected a cached sequence (one of "
                              f"{sorted(self._seq_blocks)}), got {seq_id!r}")
 
+    def _check_all_known(self, seq_ids: list[int]) -> None:
+        if not self._seq_blocks.keys() >= set(seq_ids):
+            for seq_id in seq_ids:
+                self._check_known(seq_id)
+
     def _check_new(self, seq_id: int, where: str, name: str = "seq_ids") -> None:
         if seq_id in self._seq_blocks:
             raise ValueError(f"PagedKVCache.{where}: {name}: expected new sequences, got {seq_id}, which is "
@@ -454,6 +480,9 @@ class PagedKVCache:
         if len(counts) != len(seq_ids):
             raise ValueError(f"PagedKVCache.{method}: {name}: expected {len(seq_ids)} lengths (one per "
                              f"seq_id), got {len(counts)}")
+        plain = _plain_ints(counts, minimum)
+        if plain is not None:
+            return plain
         return [_as_count(count, f"{method}: {name}", seq_id, minimum)
                 for seq_id, count in zip(seq_ids, counts, strict=True)]
 
@@ -467,6 +496,10 @@ class PagedKVCache:
         if len(token_ids) != len(seq_ids):
             raise ValueError(f"PagedKVCache.{where}: token_ids: expected {len(seq_ids)} lists (one per "
                              f"seq_id), got {len(token_ids)}")
+        lists = list(token_ids)
+        if all(type(ids) is list for ids in lists) and list(map(len, lists)) == counts \
+                and _plain_ints(list(itertools.chain.from_iterable(lists)), 0) is not None:
+            return lists
         return [_as_token_ids(ids, where, seq_id, count)
                 for seq_id, count, ids in zip(seq_ids, counts, token_ids, strict=True)]
 
@@ -485,10 +518,13 @@ class PagedKVCache:
                                f"{self._pool.num_available} of {self.num_blocks} are free (free finished "
                                f"sequences, or give the cache more memory)")
 
-    def _block_tables(self, seq_ids: list[int], width: int) -> torch.Tensor:
-        # Entries past a sequence's blocks are never read; 0 keeps them in range.
-        rows = [blocks + [0] * (width - len(blocks)) for blocks in (self._seq_blocks[i] for i in seq_ids)]
-        return torch.tensor(rows, dtype=torch.int32).view(len(seq_ids), width)  # [num_seqs, width]
+    def _flat_blocks(self, seq_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blocks of the sequences one after another, and how many each holds."""
+        held = [self._seq_tables[seq_id] for seq_id in seq_ids]
+        flat = bytearray().join(held)
+        flat_blocks = torch.frombuffer(flat, dtype=torch.int32) if flat else torch.zeros(0, dtype=torch.int32)
+        counts = torch.frombuffer(array.array("q", map(len, held)), dtype=torch.int64)
+        return flat_blocks, counts  # [total_blocks], [num_seqs]
 
     def _metadata(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                   query_lens: torch.Tensor, query_start_loc: torch.Tensor | None) -> AttentionMetadata:
@@ -502,26 +538,3 @@ class PagedKVCache:
         if self.device.type != "cuda":
             return [tensor.to(self.device) for tensor in host]
         return _copy_packed(host, self.device)
-
-
-def _copy_packed(host: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """The host tensors on ``device`` by one copy of them packed together (from pinned memory on a GPU).
-
-    One copy a step instead of one a tensor: each copy is a few microseconds of an idle GPU between decode
-    steps. From pinned memory the copy is queued behind the work already there, so building the next step's
-    metadata overlaps the current step (from pageable memory the host would wait for the GPU's queue)."""
-    offsets, end = [], 0
-    for tensor in host:
-        end += -end % tensor.element_size()  # each view starts aligned to its element size
-        offsets.append(end)
-        end += tensor.numel() * tensor.element_size()
-    packed = torch.empty(end, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    for view, tensor in zip(_views(packed, host, offsets), host, strict=True):
-        view.copy_(tensor)
-    return _views(packed.to(device, non_blocking=True), host, offsets)
-
-
-def _views(packed: torch.Tensor, like: Sequence[torch.Tensor], offsets: Sequence[int]) -> list[torch.Tensor]:
-    """Views of the bytes ``packed`` at ``offsets`` with the dtypes and shapes of ``like``."""
-    return [packed[offset: offset + tensor.numel() * tensor.element_size()].view(tensor.dtype)
-            .view(tensor.shape) for tensor, offset in zip(like, offsets, strict=True)]

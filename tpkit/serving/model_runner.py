@@ -71,6 +71,17 @@ class ModelRunner:
         self._to_encode[seq_id] = request.prompt
         return True
 
+    def append_decodes(self, requests: Sequence[Request]) -> bool:
+        """A slot each for the next token of requests that decode (one pending token each), all or none;
+        False (nothing changed) when blocks run out."""
+        ids = [[r.context[r.num_computed]] for r in requests] if self.prefix_caching else None
+        try:
+            self.caches["self"].append_slots([r.request_id for r in requests], [1] * len(requests),
+                                             token_ids=ids)
+        except RuntimeError:
+            return False
+        return True
+
     def append(self, request: Request, num_tokens: int) -> bool:
         """Slots for the request's next ``num_tokens`` context tokens; False (nothing changed) when blocks run
         out."""
@@ -144,15 +155,14 @@ class ModelRunner:
     def _run_graph(self, batch: Batch) -> torch.Tensor:
         model, size = self.model, self._graph_size(batch)
         seq_ids = [r.request_id for r, _ in batch]
-        # Decode-shaped metadata (no query_start_loc) as wide as the graph's block tables.
+        # Decode-shaped metadata (no query_start_loc) with block tables as wide as the sequences need: the
+        # graph's static tables are wider, their further columns zero.
         metadata: dict[str, AttentionMetadata] = {"self": dataclasses.replace(
-            self.caches["self"].step_metadata(seq_ids, [1] * len(batch),
-                                              block_table_width=self._max_blocks["self"]),
-            query_start_loc=None)}
+            self.caches["self"].step_metadata(seq_ids, [1] * len(batch)), query_start_loc=None)}
         if self.encoder_decoder:
-            metadata["cross"] = self.caches["cross"].decode_metadata(
-                seq_ids, append=False, block_table_width=self._max_blocks["cross"])
+            metadata["cross"] = self.caches["cross"].decode_metadata(seq_ids, append=False)
         step = model._graph_step(model._decode_step, self.caches, size, self._max_blocks, ("serving",))
-        input_ids = torch.tensor([[r.context[-1]] for r, _ in batch], device=model.device)  # [batch, 1]
+        last_tokens = torch.tensor([r.context[-1] for r, _ in batch], device=model.device)  # [batch]
+        input_ids = last_tokens[:, None]  # [batch, 1]
         return step(input_ids, metadata, list(range(len(batch)))).clone()
 

@@ -48,9 +48,10 @@ class Scheduler:
     def schedule(self) -> list[tuple[Request, int]]:
         """The next step's ``(request, num_tokens)``, their slots appended; empty when nothing is left."""
         budget = self.max_num_batched_tokens
-        batch: list[tuple[Request, int]] = []
         preempted = False
-        index = 0
+        index = self._append_decodes(budget)
+        batch: list[tuple[Request, int]] = [(request, 1) for request in self.running[:index]]
+        budget -= index
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_tokens = min(request.num_pending, budget)
@@ -79,6 +80,19 @@ class Scheduler:
             batch.append((request, num_tokens))
             budget -= num_tokens + extra
         return batch
+
+    def _append_decodes(self, budget: int) -> int:
+        """Slots for the running requests that decode, oldest first up to the first that does not (or the
+        budget), in one append; how many of them (0 when blocks run out: then they go one by one, with
+        preemption). The blocks they get are those one append each would give them."""
+        count = 0
+        for request in self.running[:budget]:
+            if request.num_pending != 1:
+                break
+            count += 1
+        if count and self.runner.append_decodes(self.running[:count]):
+            return count
+        return 0
 
     def _preempt(self, request: Request) -> None:
         self.runner.free(request)
