@@ -1,13 +1,15 @@
 // Split-K merge: combines a query row's partition results, each normalised with its own log-sum-exp, into
-// the output. One warp per (query row, query head): the partitions' weights come from warp shuffles, with
-// no block-wide barrier, and each lane sums four columns over every partition with float4 loads, several
-// partitions in flight. Torch-free.
+// the output. The merge kernel: one warp per (query row, query head): the partitions' weights come from warp
+// shuffles, with no block-wide barrier, and each lane sums four columns over every partition with float4
+// loads, several partitions in flight. On Hopper the partitions of a thread-block cluster merge instead in
+// the attention kernel's epilogue, through distributed shared memory (merge_in_cluster). Torch-free.
 #pragma once
 
 #include <math.h>
 
 #include "common/dtype_traits.cuh"
 #include "attention/paged_attention.h"
+#include "attention/paged_attention_dispatch.h"
 #include "attention/paged_attention_rows.cuh"
 #include "common/ptx.cuh"
 
@@ -96,6 +98,94 @@ __global__ void __launch_bounds__(kMergeThreads) paged_attention_merge_kernel(co
     }
     store4(out + 4 * v, make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
   }
+}
+
+// merge_in_cluster's work: a thread takes ITEMS items at a time, eight (partition, item) pairs whatever
+// the cluster's size (PARTS >= num_parts), and issues all their loads (every partition's log-sum-exp and
+// 16 bytes of values) before using any, so a round costs one round trip to the other blocks' shared memory.
+template <int HEAD, typename P, int PARTS, typename RowOut, typename OutRow, typename RowSink>
+__device__ __forceinline__ void merge_items(int num_parts, bool attended, int rows_valid, const float* row_lse,
+                                            RowOut row_out, OutRow out_row, RowSink row_sink) {
+  constexpr int kPerLoad = 16 / static_cast<int>(sizeof(P));  // columns an item
+  constexpr int kVecs = HEAD / kPerLoad;
+  constexpr int ITEMS = kMaxClusterSize / PARTS;
+  const int items = rows_valid * kVecs;
+  const int stride = num_parts * blockDim.x;
+  for (int first = cluster_rank() * blockDim.x + threadIdx.x; first < items; first += ITEMS * stride) {
+    float lse[ITEMS][PARTS];
+    uint4 x[ITEMS][PARTS];
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      const int i = first + k * stride;
+      if (i >= items) continue;
+      const int r = i / kVecs;
+      const uint32_t lse_addr = smem_addr(row_lse + r);
+      const uint32_t o_addr = smem_addr(row_out(r) + (i - r * kVecs) * kPerLoad);
+#pragma unroll
+      for (int c = 0; c < PARTS; ++c) {
+        if (c < num_parts) {
+          lse[k][c] = cluster_load(cluster_map(lse_addr, c));
+          x[k][c] = cluster_load16(cluster_map(o_addr, c));
+        }
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      const int i = first + k * stride;
+      if (i >= items) continue;
+      float mx = -INFINITY;
+#pragma unroll
+      for (int c = 0; c < PARTS; ++c) {
+        if (c < num_parts) mx = fmaxf(mx, lse[k][c]);
+      }
+      float acc[kPerLoad] = {};
+      float sum = 0.f;
+#pragma unroll
+      for (int c = 0; c < PARTS; ++c) {
+        if (c < num_parts) {
+          // Partitions past the end, and rows with nothing attended, weigh 0 (their results are zeros).
+          const float w = lse[k][c] == -INFINITY ? 0.f : fast_exp2(lse[k][c] - mx);
+          float v[kPerLoad];
+          unpack16<P>(x[k][c], v);
+#pragma unroll
+          for (int j = 0; j < kPerLoad; ++j) acc[j] = fmaf(w, v[j], acc[j]);
+          sum += w;
+        }
+      }
+      const int r = i / kVecs;
+      sum = with_sink(sum, mx, row_sink(r));
+      // Zeros only where the sequence has no key: a NaN sum stays NaN.
+      const float inv = attended ? 1.f / sum : 0.f;
+      auto* out = out_row(r) + (i - r * kVecs) * kPerLoad;
+#pragma unroll
+      for (int j = 0; j < kPerLoad; j += 4) {
+        store4(out + j, make_float4(acc[j] * inv, acc[j + 1] * inv, acc[j + 2] * inv, acc[j + 3] * inv));
+      }
+    }
+  }
+}
+
+// Split-K merge inside a thread-block cluster (Hopper), after each block (partition) has written its
+// normalised result, row_out(r) (HEAD values of type P: float, or the output's 16-bit type), and its
+// log-sum-exp, row_lse[r], to its own shared memory: block `rank` finishes every num_partitions-th (row,
+// 16 bytes of columns) item of the first rows_valid rows, reading every partition's values from that
+// partition's shared memory, and stores it to out_row(r). No float32 partials in global memory, no second
+// kernel. Every thread of every block of the cluster must call it. attended: the sequence has keys
+// (seq_len > 0); without, the output is zeros. row_sink(r): row r's sink logit (log2 domain), -inf for none.
+template <int HEAD, typename P, typename RowOut, typename OutRow, typename RowSink>
+__device__ __forceinline__ void merge_in_cluster(int num_parts, bool attended, int rows_valid, const float* row_lse,
+                                                 RowOut row_out, OutRow out_row, RowSink row_sink) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // clusters: Hopper and newer (the plan never asks before)
+  cluster_sync_shared();  // every partition's row_out and row_lse are written
+  if (num_parts <= 2) {
+    merge_items<HEAD, P, 2>(num_parts, attended, rows_valid, row_lse, row_out, out_row, row_sink);
+  } else if (num_parts <= 4) {
+    merge_items<HEAD, P, 4>(num_parts, attended, rows_valid, row_lse, row_out, out_row, row_sink);
+  } else {
+    merge_items<HEAD, P, kMaxClusterSize>(num_parts, attended, rows_valid, row_lse, row_out, out_row, row_sink);
+  }
+  cluster_sync_exit();  // no block exits while another still reads its shared memory
+#endif
 }
 
 }  // namespace tpkit

@@ -19,6 +19,8 @@
 #include "common/fp8.cuh"
 #include "attention/paged_attention.h"
 #include "attention/paged_attention_dispatch.h"
+#include "attention/paged_attention_fp8.cuh"
+#include "attention/paged_attention_merge.cuh"
 #include "attention/paged_attention_rows.cuh"
 #include "common/ptx.cuh"
 
@@ -86,76 +88,6 @@ struct ScoreMap {
 // k_scale: a float8 cache's key scale (stored keys times it are the keys), 1 otherwise.
 __device__ __forceinline__ ScoreMap score_map(const tpkit_paged_attention_args& p, float k_scale = 1.f) {
   return {p.scale_log2 * k_scale, p.soft_cap_scale * k_scale, p.soft_cap_log2};
-}
-
-// Shared-memory layout of a float8 stage's row (a token's K or V as stored, HEAD bytes) in 16-byte chunks,
-// one mma k-step each. ldmatrix reads a chunk of 8 consecutive rows at once, which must sit in 8 distinct
-// bank groups: rows of 1, 2, 4 or a multiple of 8 chunks are unpadded and swizzled (chunk c of row r at c ^
-// swizzle(r)), other rows padded to an odd number of chunks.
-template <int HEAD>
-struct Fp8Layout {
-  static_assert(HEAD % 16 == 0, "float8 rows load in 16-byte chunks");
-  static constexpr int kChunks = HEAD / 16;
-  static constexpr bool kSwizzled = kChunks == 1 || kChunks == 2 || kChunks == 4 || kChunks % 8 == 0;
-  static constexpr int kRowStride = kSwizzled ? kChunks : kChunks | 1;
-  static constexpr int kRowBytes = kRowStride * 16;
-  // The XOR of row r's chunks: 8 rows of 128 / (16 kChunks) rows a 128-byte line take 8 distinct slots.
-  __device__ static int swizzle(int r) {
-    return kChunks >= 8 ? r & 7 : kChunks == 4 ? (r >> 1) & 3 : kChunks == 2 ? (r >> 2) & 1 : 0;
-  }
-  // Where chunk c of row r is stored (in chunks from the stage's start).
-  __device__ static int chunk(int r, int c) { return r * kRowStride + (kSwizzled ? c ^ swizzle(r) : c); }
-  // ldmatrix of chunk (even k) + x of row r: address at(row address + k * 16, lane_bits(r, x)) + lane_base(x)
-  // * 16, the swizzle one XOR of address bits 4-6 (rows start kRowBytes-aligned).
-  __device__ static int lane_base(int x) { return kSwizzled ? 0 : x; }
-  __device__ static uint32_t lane_bits(int r, int x) { return kSwizzled ? (x ^ swizzle(r)) << 4 : 0u; }
-  __device__ static uint32_t at(uint32_t addr, uint32_t bits) { return kSwizzled ? addr ^ bits : addr; }
-};
-
-// A float8 cache's products run in fp16, which holds every float8 value exactly; the block's query rows
-// (layout L, in shared memory) are rewritten for them once, by every thread (the caller synchronises before
-// and after). bf16 queries are converted, times 2^-q_exp, the power of two that brings the block's largest
-// magnitude into [2^14, 2^15) (bf16 exceeds fp16's range; returns q_exp, which the score scale takes back).
-// Each k-step's 16 columns are reordered to columns 0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15: an
-// ldmatrix of float8 K gives a lane 4 consecutive columns (4c .. 4c + 3) where the mma takes columns 2c, 2c +
-// 1, 2c + 8, 2c + 9, and a dot product does not depend on the order of its terms. max_bits: a shared word,
-// zeroed before the caller's barrier.
-template <typename T, typename L>
-__device__ __forceinline__ int prepare_fp8_query(uint4* q_s, int rows, unsigned* max_bits) {
-  int q_exp = 0;
-  if constexpr (DTypeTraits<T>::kIsBF16) {
-    float mx = 0.f;  // fmaxf skips NaN: NaN queries stay NaN below, whatever the scale
-    for (int i = threadIdx.x; i < rows * L::kPaddedChunks; i += blockDim.x) {
-      const int r = i / L::kPaddedChunks;
-      const uint4 x = q_s[r * L::kRowStride + L::chunk(r, i - r * L::kPaddedChunks)];
-      const uint32_t w[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        mx = fmaxf(mx, fmaxf(fabsf(__uint_as_float(w[j] << 16)), fabsf(__uint_as_float(w[j] & 0xffff0000u))));
-      }
-    }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, offset));
-    if ((threadIdx.x & 31) == 0) atomicMax(max_bits, __float_as_uint(mx));  // non-negative: ordered as ints
-    __syncthreads();
-    const float block_max = __uint_as_float(*max_bits);
-    q_exp = block_max > 0.f && block_max <= 3.4028235e38f ? ilogbf(block_max) - 14 : 0;
-  }
-  const float q_mul = ldexpf(1.f, -q_exp);
-  auto to_half2 = [&](uint32_t w) -> uint32_t {
-    if constexpr (!DTypeTraits<T>::kIsBF16) return w;
-    return DTypeTraits<__half>::pack2(__uint_as_float(w << 16) * q_mul, __uint_as_float(w & 0xffff0000u) * q_mul);
-  };
-  for (int i = threadIdx.x; i < rows * L::kKSteps; i += blockDim.x) {
-    const int r = i / L::kKSteps;
-    const int ks = i - r * L::kKSteps;
-    uint4* lo = q_s + r * L::kRowStride + L::chunk(r, 2 * ks);
-    uint4* hi = q_s + r * L::kRowStride + L::chunk(r, 2 * ks + 1);
-    const uint4 x = *lo, y = *hi;  // column pairs 0-3 and 4-7 of the k-step
-    *lo = make_uint4(to_half2(x.x), to_half2(x.z), to_half2(y.x), to_half2(y.z));
-    *hi = make_uint4(to_half2(x.y), to_half2(x.w), to_half2(y.y), to_half2(y.w));
-  }
-  return q_exp;
 }
 
 // The RowPair of a thread's rows row0, row1 (ALiBi slope 0 for padding rows), their keys cut at the
@@ -273,94 +205,6 @@ __device__ __forceinline__ void prefetch_prologue(const T* q_rows, int64_t q_str
       prefetch_l2(reinterpret_cast<const void*>(table_first / 128 * 128 + (i - rows_valid * kRowLines - 1) * 128));
     }
   }
-}
-
-// merge_in_cluster's work: a thread takes ITEMS items at a time, eight (partition, item) pairs whatever
-// the cluster's size (PARTS >= num_parts), and issues all their loads (every partition's log-sum-exp and
-// 16 bytes of values) before using any, so a round costs one round trip to the other blocks' shared memory.
-template <int HEAD, typename P, int PARTS, typename RowOut, typename OutRow, typename RowSink>
-__device__ __forceinline__ void merge_items(int num_parts, bool attended, int rows_valid, const float* row_lse,
-                                            RowOut row_out, OutRow out_row, RowSink row_sink) {
-  constexpr int kPerLoad = 16 / static_cast<int>(sizeof(P));  // columns an item
-  constexpr int kVecs = HEAD / kPerLoad;
-  constexpr int ITEMS = kMaxClusterSize / PARTS;
-  const int items = rows_valid * kVecs;
-  const int stride = num_parts * blockDim.x;
-  for (int first = cluster_rank() * blockDim.x + threadIdx.x; first < items; first += ITEMS * stride) {
-    float lse[ITEMS][PARTS];
-    uint4 x[ITEMS][PARTS];
-#pragma unroll
-    for (int k = 0; k < ITEMS; ++k) {
-      const int i = first + k * stride;
-      if (i >= items) continue;
-      const int r = i / kVecs;
-      const uint32_t lse_addr = smem_addr(row_lse + r);
-      const uint32_t o_addr = smem_addr(row_out(r) + (i - r * kVecs) * kPerLoad);
-#pragma unroll
-      for (int c = 0; c < PARTS; ++c) {
-        if (c < num_parts) {
-          lse[k][c] = cluster_load(cluster_map(lse_addr, c));
-          x[k][c] = cluster_load16(cluster_map(o_addr, c));
-        }
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < ITEMS; ++k) {
-      const int i = first + k * stride;
-      if (i >= items) continue;
-      float mx = -INFINITY;
-#pragma unroll
-      for (int c = 0; c < PARTS; ++c) {
-        if (c < num_parts) mx = fmaxf(mx, lse[k][c]);
-      }
-      float acc[kPerLoad] = {};
-      float sum = 0.f;
-#pragma unroll
-      for (int c = 0; c < PARTS; ++c) {
-        if (c < num_parts) {
-          // Partitions past the end, and rows with nothing attended, weigh 0 (their results are zeros).
-          const float w = lse[k][c] == -INFINITY ? 0.f : fast_exp2(lse[k][c] - mx);
-          float v[kPerLoad];
-          unpack16<P>(x[k][c], v);
-#pragma unroll
-          for (int j = 0; j < kPerLoad; ++j) acc[j] = fmaf(w, v[j], acc[j]);
-          sum += w;
-        }
-      }
-      const int r = i / kVecs;
-      sum = with_sink(sum, mx, row_sink(r));
-      // Zeros only where the sequence has no key: a NaN sum stays NaN.
-      const float inv = attended ? 1.f / sum : 0.f;
-      auto* out = out_row(r) + (i - r * kVecs) * kPerLoad;
-#pragma unroll
-      for (int j = 0; j < kPerLoad; j += 4) {
-        store4(out + j, make_float4(acc[j] * inv, acc[j + 1] * inv, acc[j + 2] * inv, acc[j + 3] * inv));
-      }
-    }
-  }
-}
-
-// Split-K merge inside a thread-block cluster (Hopper), after each block (partition) has written its
-// normalised result, row_out(r) (HEAD values of type P: float, or the output's 16-bit type), and its
-// log-sum-exp, row_lse[r], to its own shared memory: block `rank` finishes every num_partitions-th (row,
-// 16 bytes of columns) item of the first rows_valid rows, reading every partition's values from that
-// partition's shared memory, and stores it to out_row(r). No float32 partials in global memory, no second
-// kernel. Every thread of every block of the cluster must call it. attended: the sequence has keys
-// (seq_len > 0); without, the output is zeros. row_sink(r): row r's sink logit (log2 domain), -inf for none.
-template <int HEAD, typename P, typename RowOut, typename OutRow, typename RowSink>
-__device__ __forceinline__ void merge_in_cluster(int num_parts, bool attended, int rows_valid, const float* row_lse,
-                                                 RowOut row_out, OutRow out_row, RowSink row_sink) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // clusters: Hopper and newer (the plan never asks before)
-  cluster_sync_shared();  // every partition's row_out and row_lse are written
-  if (num_parts <= 2) {
-    merge_items<HEAD, P, 2>(num_parts, attended, rows_valid, row_lse, row_out, out_row, row_sink);
-  } else if (num_parts <= 4) {
-    merge_items<HEAD, P, 4>(num_parts, attended, rows_valid, row_lse, row_out, out_row, row_sink);
-  } else {
-    merge_items<HEAD, P, kMaxClusterSize>(num_parts, attended, rows_valid, row_lse, row_out, out_row, row_sink);
-  }
-  cluster_sync_exit();  // no block exits while another still reads its shared memory
-#endif
 }
 
 // FP8: the caches' float8 format (tpkit_fp8_format), or TPKIT_FP8_NONE for caches of T. A float8 tile streams
