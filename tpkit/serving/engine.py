@@ -28,7 +28,7 @@ from tpkit.models.prompts import Prompts, check_prompts
 from tpkit.models.sampling import Sampler
 from tpkit.parallel_layers import check_ranks_agree
 from tpkit.serving.model_runner import ModelRunner
-from tpkit.serving.request import Request, RequestOutput
+from tpkit.serving.request import Request, RequestOutput, snapshot
 from tpkit.serving.sampling import SamplingParams, draw_tokens, request_sampler
 from tpkit.serving.scheduler import Scheduler
 
@@ -163,31 +163,36 @@ class Engine:
     # Steps -------------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; the outputs of the requests that generated a token or finished in it."""
-        outputs = [_output(request, []) for request in self._aborted]
+        outputs = [snapshot(request, []) for request in self._aborted]
         self._aborted.clear()
         batch = self.scheduler.schedule()
         if not batch:
             return outputs
         logits = self.runner.run(batch)
-        done = [request for request, num_tokens in batch if num_tokens == request.num_pending]
+        done = []  # the requests whose context the step finished, in batch order
         for request, num_tokens in batch:
             request.num_computed += num_tokens
+            if request.num_computed == len(request.context):
+                done.append(request)
         tokens = draw_tokens(logits, [r.sampler for r in done], self._share) if done else []
         now = time.perf_counter()
+        forces = self.model.forced_bos_token_id is not None or self.model.forced_eos_token_id is not None
+        eos = self._eos
         for request, token in zip(done, tokens, strict=True):
-            token = self._forced(request, token)
+            if forces:
+                token = self._forced(request, token)
             request.output.append(token)
             request.context.append(token)
             request.token_times.append(now)
             params = request.params
-            if token in params.stop_token_ids or (not params.ignore_eos and token in self._eos):
+            if token in params.stop_token_ids or (not params.ignore_eos and token in eos):
                 request.finish_reason = "stop"
             elif len(request.output) == params.max_new_tokens:
                 request.finish_reason = "length"
             if request.finish_reason is not None:
                 self.scheduler.remove(request)
                 del self._requests[request.request_id]
-            outputs.append(_output(request, [token]))
+            outputs.append(snapshot(request, [token]))
         return outputs
 
     def _forced(self, request: Request, token: int) -> int:
@@ -238,11 +243,3 @@ def _budget_bytes(kv_cache_memory: float | int, device: torch.device) -> int:
         raise ValueError(f"Engine: kv_cache_memory: expected a fraction in (0, 1], got {kv_cache_memory!r}")
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else CPU_KV_CACHE_BYTES
     return int(free * kv_cache_memory)
-
-
-def _output(request: Request, new_token_ids: list[int]) -> RequestOutput:
-    return RequestOutput(request_id=request.request_id, new_token_ids=new_token_ids,
-                         token_ids=list(request.output), finished=request.finish_reason is not None,
-                         finish_reason=request.finish_reason, arrival_time=request.arrival_time,
-                         first_token_time=request.token_times[0] if request.token_times else None,
-                         token_times=list(request.token_times))
