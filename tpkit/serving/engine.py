@@ -28,7 +28,7 @@ from tpkit.models.prompts import Prompts, check_prompts
 from tpkit.models.sampling import Sampler
 from tpkit.parallel_layers import check_ranks_agree
 from tpkit.serving.model_runner import ModelRunner
-from tpkit.serving.request import Request, RequestOutput, snapshot
+from tpkit.serving.request import Request, RequestOutput
 from tpkit.serving.sampling import SamplingParams, draw_tokens, request_sampler
 from tpkit.serving.scheduler import Scheduler
 
@@ -163,11 +163,16 @@ class Engine:
     # Steps -------------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; the outputs of the requests that generated a token or finished in it."""
-        outputs = [snapshot(request, []) for request in self._aborted]
-        self._aborted.clear()
+        aborted, generated = self._step()
+        return [_output(r, []) for r in aborted] + [_output(r, [token]) for r, token in generated]
+
+    def _step(self) -> tuple[list[Request], list[tuple[Request, int]]]:
+        """One scheduled step: the requests aborted since the last step, and each (request, token) the step
+        generated, in batch order."""
+        aborted, self._aborted = self._aborted, []
         batch = self.scheduler.schedule()
         if not batch:
-            return outputs
+            return aborted, []
         logits = self.runner.run(batch)
         done = []  # the requests whose context the step finished, in batch order
         for request, num_tokens in batch:
@@ -176,24 +181,22 @@ class Engine:
                 done.append(request)
         tokens = draw_tokens(logits, [r.sampler for r in done], self._share) if done else []
         now = time.perf_counter()
-        forces = self.model.forced_bos_token_id is not None or self.model.forced_eos_token_id is not None
-        eos = self._eos
+        generated = []
         for request, token in zip(done, tokens, strict=True):
-            if forces:
-                token = self._forced(request, token)
+            token = self._forced(request, token)
             request.output.append(token)
             request.context.append(token)
             request.token_times.append(now)
             params = request.params
-            if token in params.stop_token_ids or (not params.ignore_eos and token in eos):
+            if token in params.stop_token_ids or (not params.ignore_eos and token in self._eos):
                 request.finish_reason = "stop"
             elif len(request.output) == params.max_new_tokens:
                 request.finish_reason = "length"
             if request.finish_reason is not None:
                 self.scheduler.remove(request)
                 del self._requests[request.request_id]
-            outputs.append(snapshot(request, [token]))
-        return outputs
+            generated.append((request, token))
+        return aborted, generated
 
     def _forced(self, request: Request, token: int) -> int:
         """The model's forced first / last token where it has one (BART's), as ``generate`` does."""
@@ -223,9 +226,11 @@ class Engine:
         with tqdm(total=len(ids), desc="Engine.generate", unit="req", disable=disable) as progress:
             remaining = len(ids)
             while remaining:
-                for output in self.step():
-                    if output.finished and output.request_id in index:
-                        results[index[output.request_id]] = output.token_ids
+                # The steps' requests, not their RequestOutputs: no copy of every history every step.
+                aborted, generated = self._step()
+                for request in aborted + [r for r, _ in generated]:
+                    if request.finish_reason is not None and request.request_id in index:
+                        results[index[request.request_id]] = list(request.output)
                         remaining -= 1
                         progress.update(1)
         return results
@@ -243,3 +248,11 @@ def _budget_bytes(kv_cache_memory: float | int, device: torch.device) -> int:
         raise ValueError(f"Engine: kv_cache_memory: expected a fraction in (0, 1], got {kv_cache_memory!r}")
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else CPU_KV_CACHE_BYTES
     return int(free * kv_cache_memory)
+
+
+def _output(request: Request, new_token_ids: list[int]) -> RequestOutput:
+    return RequestOutput(request_id=request.request_id, new_token_ids=new_token_ids,
+                         token_ids=list(request.output), finished=request.finish_reason is not None,
+                         finish_reason=request.finish_reason, arrival_time=request.arrival_time,
+                         first_token_time=request.token_times[0] if request.token_times else None,
+                         token_times=list(request.token_times))
