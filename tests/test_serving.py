@@ -192,6 +192,47 @@ def test_abort_ends_a_request_and_frees_its_blocks(checkpoints):
     assert cache.num_free_blocks == cache.num_blocks
 
 
+def test_a_steps_outputs_keep_their_values_after_later_steps(checkpoints):
+    """Every RequestOutput holds the tokens and times of its own step, whether read then or only after the
+    requests finished (preempted and aborted ones too), and stays frozen."""
+    import dataclasses
+
+    from tpkit.serving import Engine, RequestOutput, SamplingParams
+
+    path, ref_tokens = checkpoints("llama")
+    model = _model(path)
+    engine = Engine(model, kv_cache_memory=6 * _block_bytes(model), max_num_batched_tokens=64)
+    ids = [engine.add_request(p, SamplingParams(MAX_NEW_TOKENS, ignore_eos=True)) for p in PROMPTS]
+    kept, read_then, so_far = [], [], {i: [] for i in ids}
+    for step in range(10_000):
+        if step == 3:
+            engine.abort(ids[1])
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            so_far[out.request_id] = so_far[out.request_id] + out.new_token_ids
+            kept.append((out, so_far[out.request_id]))
+            if step % 2:  # read now; the others only at the end
+                read_then.append((out, list(out.token_ids), list(out.token_times)))
+    assert engine.num_preemptions > 0
+    final_times = {out.request_id: out.token_times for out, _ in kept if out.finished}
+    assert sorted(final_times) == sorted(ids)
+    for out, tokens in kept:
+        assert type(out.token_ids) is list and out.token_ids == tokens
+        assert type(out.token_times) is list and out.token_times == final_times[out.request_id][:len(tokens)]
+        assert out.first_token_time == (out.token_times[0] if tokens else None)
+        assert out == RequestOutput(out.request_id, out.new_token_ids, tokens, out.finished,
+                                    out.finish_reason, out.arrival_time, out.first_token_time,
+                                    list(out.token_times))
+    for out, tokens, times in read_then:
+        assert out.token_ids == tokens and out.token_times == times
+    for out, tokens in kept:
+        if out.request_id != ids[1] and out.finished:
+            assert tokens == ref_tokens[ids.index(out.request_id)]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        kept[0][0].token_ids = []
+
+
 def test_bad_input_is_refused_before_anything_is_queued(checkpoints):
     from tpkit.serving import Engine, SamplingParams
 

@@ -82,7 +82,7 @@ def _plain_ints(values: Sequence[object], minimum: int) -> list[int] | None:
     """``values`` as a list where every one is a Python int >= ``minimum`` (the common case, checked at
     once); None where any is not, for a check one by one."""
     ids = list(values)
-    if all(type(value) is int for value in ids) and min(ids, default=minimum) >= minimum:
+    if set(map(type, ids)) <= {int} and min(ids, default=minimum) >= minimum:
         return ids
     return None
 
@@ -283,12 +283,13 @@ class PagedKVCache:
         seq_ids = self._check_seq_ids(seq_ids)
         self._check_all_known(seq_ids)
         lens = self._check_counts(seq_ids, query_lens, "step_metadata", "query_lens", 0)
-        held = [self._seq_lens[seq_id] for seq_id in seq_ids]
-        for seq_id, q_len, seq_len in zip(seq_ids, lens, held, strict=True):
-            if q_len > seq_len:
-                raise ValueError(f"PagedKVCache.step_metadata: query_lens: expected at most seq_len = "
-                                 f"{seq_len} tokens for seq_id {seq_id} (the tokens it holds: "
-                                 f"append_slots first), got {q_len}")
+        held = list(map(self._seq_lens.__getitem__, seq_ids))
+        if any(map(operator.gt, lens, held)):
+            for seq_id, q_len, seq_len in zip(seq_ids, lens, held, strict=True):
+                if q_len > seq_len:
+                    raise ValueError(f"PagedKVCache.step_metadata: query_lens: expected at most seq_len = "
+                                     f"{seq_len} tokens for seq_id {seq_id} (the tokens it holds: "
+                                     f"append_slots first), got {q_len}")
         width = self._check_width(seq_ids, block_table_width, "step_metadata", grows=set())
         flat, counts = self._flat_blocks(seq_ids)  # [total_blocks], [num_seqs]
         block_tables = _block_tables(flat, counts, width)  # [num_seqs, width]
@@ -453,9 +454,10 @@ class PagedKVCache:
         seq_ids = list(seq_ids)
         if not seq_ids:
             raise ValueError("PagedKVCache: seq_ids: expected at least one sequence, got none")
-        bad = [seq_id for seq_id in seq_ids if isinstance(seq_id, bool) or not isinstance(seq_id, int)]
-        if bad:
-            raise TypeError(f"PagedKVCache: seq_ids: expected ints, got {bad[0]!r}")
+        if not set(map(type, seq_ids)) <= {int}:
+            bad = [seq_id for seq_id in seq_ids if isinstance(seq_id, bool) or not isinstance(seq_id, int)]
+            if bad:
+                raise TypeError(f"PagedKVCache: seq_ids: expected ints, got {bad[0]!r}")
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"PagedKVCache: seq_ids: expected distinct ids, got {seq_ids}")
         return seq_ids
@@ -504,7 +506,10 @@ class PagedKVCache:
                 for seq_id, count, ids in zip(seq_ids, counts, token_ids, strict=True)]
 
     def _check_width(self, seq_ids: list[int], width: int | None, where: str, grows: set[int]) -> int:
-        needed = max(len(self._seq_blocks[seq_id]) + (seq_id in grows) for seq_id in seq_ids)
+        if grows:
+            needed = max(len(self._seq_blocks[seq_id]) + (seq_id in grows) for seq_id in seq_ids)
+        else:
+            needed = max(map(len, map(self._seq_blocks.__getitem__, seq_ids)))
         if width is None:
             return needed
         if isinstance(width, bool) or not isinstance(width, int) or width < needed:

@@ -49,9 +49,13 @@ class StaticDecodeStep:
                  seq_ids: Sequence[int]) -> torch.Tensor:
         """One decode step of the sequences ``seq_ids`` (rows of the batch; all rows when none has
         finished): input_ids ``[len(seq_ids), 1]`` -> the step's output for those rows (logits
-        ``[len(seq_ids), vocab]``, or tokens). With every row live, a graph hands back its own output buffer,
-        which its next replay overwrites."""
-        rows = None if len(seq_ids) == self.batch else torch.tensor(seq_ids, device=self.device)
+        ``[len(seq_ids), vocab]``, or tokens). With every row live, or the first rows given as
+        ``range(count)``, a graph hands back (a view of) its own output buffer, which its next replay
+        overwrites."""
+        rows: torch.Tensor | slice | None = None
+        if len(seq_ids) != self.batch:
+            first = isinstance(seq_ids, range) and seq_ids.start == 0 and seq_ids.step == 1
+            rows = slice(len(seq_ids)) if first else torch.tensor(seq_ids, device=self.device)
         _fill(self.input_ids, input_ids, rows, 0)
         for name, static in self.metadata.items():
             step_metadata = metadata[name]
@@ -93,8 +97,9 @@ class DecodeGraph(StaticDecodeStep):
         return self.out
 
 
-def _fill(static: torch.Tensor, value: torch.Tensor, rows: torch.Tensor | None, pad: int) -> None:
-    """Copy ``value`` into the leading columns of ``static``'s ``rows`` (all rows if None); the rest = pad."""
+def _fill(static: torch.Tensor, value: torch.Tensor, rows: torch.Tensor | slice | None, pad: int) -> None:
+    """Copy ``value`` into the leading columns of ``static``'s ``rows`` (all rows if None, the first rows if a
+    slice); the rest = pad."""
     if rows is None and value.shape == static.shape:
         static.copy_(value)
         return
@@ -102,5 +107,7 @@ def _fill(static: torch.Tensor, value: torch.Tensor, rows: torch.Tensor | None, 
     target = static if value.dim() == 1 else static[:, : value.shape[1]]
     if rows is None:
         target.copy_(value)
+    elif isinstance(rows, slice):
+        target[rows].copy_(value)
     else:
         target.index_copy_(0, rows, value.to(static.dtype))

@@ -163,17 +163,25 @@ class Engine:
     # Steps -------------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; the outputs of the requests that generated a token or finished in it."""
-        outputs = [_output(request, []) for request in self._aborted]
-        self._aborted.clear()
+        aborted, generated = self._step()
+        return [_output(r, []) for r in aborted] + [_output(r, [token]) for r, token in generated]
+
+    def _step(self) -> tuple[list[Request], list[tuple[Request, int]]]:
+        """One scheduled step: the requests aborted since the last step, and each (request, token) the step
+        generated, in batch order."""
+        aborted, self._aborted = self._aborted, []
         batch = self.scheduler.schedule()
         if not batch:
-            return outputs
+            return aborted, []
         logits = self.runner.run(batch)
-        done = [request for request, num_tokens in batch if num_tokens == request.num_pending]
+        done = []  # the requests whose context the step finished, in batch order
         for request, num_tokens in batch:
             request.num_computed += num_tokens
+            if request.num_computed == len(request.context):
+                done.append(request)
         tokens = draw_tokens(logits, [r.sampler for r in done], self._share) if done else []
         now = time.perf_counter()
+        generated = []
         for request, token in zip(done, tokens, strict=True):
             token = self._forced(request, token)
             request.output.append(token)
@@ -187,8 +195,8 @@ class Engine:
             if request.finish_reason is not None:
                 self.scheduler.remove(request)
                 del self._requests[request.request_id]
-            outputs.append(_output(request, [token]))
-        return outputs
+            generated.append((request, token))
+        return aborted, generated
 
     def _forced(self, request: Request, token: int) -> int:
         """The model's forced first / last token where it has one (BART's), as ``generate`` does."""
@@ -218,9 +226,11 @@ class Engine:
         with tqdm(total=len(ids), desc="Engine.generate", unit="req", disable=disable) as progress:
             remaining = len(ids)
             while remaining:
-                for output in self.step():
-                    if output.finished and output.request_id in index:
-                        results[index[output.request_id]] = output.token_ids
+                # The steps' requests, not their RequestOutputs: no copy of every history every step.
+                aborted, generated = self._step()
+                for request in aborted + [r for r, _ in generated]:
+                    if request.finish_reason is not None and request.request_id in index:
+                        results[index[request.request_id]] = list(request.output)
                         remaining -= 1
                         progress.update(1)
         return results

@@ -104,8 +104,9 @@ class ModelRunner:
     def run(self, batch: Batch) -> torch.Tensor:
         """One model call over the batch (slots appended); logits ``[n, vocab]`` of the ``n`` requests whose
         context the step reaches the end of, in batch order."""
-        if self._graph_size(batch) is not None:
-            return self._run_graph(batch)
+        size = self._graph_size(batch)
+        if size is not None:
+            return self._run_graph(batch, size)
         device = self.model.device
         chunks = [(r.request_id, r.num_computed, r.context[r.num_computed:r.num_computed + n])
                   for r, n in batch]
@@ -148,12 +149,15 @@ class ModelRunner:
         """The captured batch size a step of decodes only pads up to; None for an eager step."""
         if not self.graph_sizes or len(batch) > self.graph_sizes[-1]:
             return None
-        if any(n != 1 or r.num_pending != 1 or r.request_id in self._to_encode for r, n in batch):
-            return None
+        to_encode = self._to_encode
+        for request, num_tokens in batch:
+            if num_tokens != 1 or len(request.context) - request.num_computed != 1 or (
+                    to_encode and request.request_id in to_encode):
+                return None
         return next(size for size in self.graph_sizes if size >= len(batch))
 
-    def _run_graph(self, batch: Batch) -> torch.Tensor:
-        model, size = self.model, self._graph_size(batch)
+    def _run_graph(self, batch: Batch, size: int) -> torch.Tensor:
+        model = self.model
         seq_ids = [r.request_id for r, _ in batch]
         # Decode-shaped metadata (no query_start_loc) with block tables as wide as the sequences need: the
         # graph's static tables are wider, their further columns zero.
@@ -162,7 +166,9 @@ class ModelRunner:
         if self.encoder_decoder:
             metadata["cross"] = self.caches["cross"].decode_metadata(seq_ids, append=False)
         step = model._graph_step(model._decode_step, self.caches, size, self._max_blocks, ("serving",))
-        last_tokens = torch.tensor([r.context[-1] for r, _ in batch], device=model.device)  # [batch]
-        input_ids = last_tokens[:, None]  # [batch, 1]
-        return step(input_ids, metadata, list(range(len(batch)))).clone()
+        # From pinned memory on a GPU: the copy queues behind the metadata's, the host does not wait for it.
+        on_gpu = model.device.type == "cuda"
+        last_tokens = torch.tensor([r.context[-1] for r, _ in batch], pin_memory=on_gpu)  # [batch]
+        input_ids = last_tokens.to(model.device, non_blocking=on_gpu)[:, None]  # [batch, 1]
+        return step(input_ids, metadata, range(len(batch))).clone()
 
