@@ -22,7 +22,8 @@ struct Fp8Layout {
   static constexpr bool kSwizzled = kChunks == 1 || kChunks == 2 || kChunks == 4 || kChunks % 8 == 0;
   static constexpr int kRowStride = kSwizzled ? kChunks : kChunks | 1;
   static constexpr int kRowBytes = kRowStride * 16;
-  // The XOR of row r's chunks: 8 rows of 128 / (16 kChunks) rows a 128-byte line take 8 distinct slots.
+  // The XOR on row r's chunk index: one chunk of 8 consecutive rows (from a multiple of 8) lands in 8
+  // distinct 16-byte slots of the 128-byte lines, however many rows a line holds.
   __device__ static int swizzle(int r) {
     return kChunks >= 8 ? r & 7 : kChunks == 4 ? (r >> 1) & 3 : kChunks == 2 ? (r >> 2) & 1 : 0;
   }
