@@ -137,8 +137,8 @@ def test_block_table_width_pads_and_checks_before_allocating():
     metadata = cache.decode_metadata([0, 1], block_table_width=5)
     assert metadata.block_tables.shape == (2, 5)
     assert cache.num_free_blocks == free - 1
-    table_0 = cache._seq_blocks[0]
-    assert metadata.block_tables.tolist() == [table_0 + [0, 0, 0], cache._seq_blocks[1] + [0] * 4]
+    table_0 = list(cache._seq_blocks[0])
+    assert metadata.block_tables.tolist() == [table_0 + [0, 0, 0], list(cache._seq_blocks[1]) + [0] * 4]
     assert metadata.slot_mapping.tolist() == [table_0[1] * 4, cache._seq_blocks[1][0] * 4 + 2]
 
 

@@ -59,7 +59,7 @@ def test_a_mixed_step_maps_every_token():
                 + slots_of(cache, 2, range(4, 7)) + slots_of(cache, 3, range(9, 10)))
     assert metadata.slot_mapping.tolist() == expected and len(set(expected)) == 16
     for row, seq_id in enumerate([7, 1, 2, 3]):
-        blocks = cache._seq_blocks[seq_id]
+        blocks = list(cache._seq_blocks[seq_id])
         assert metadata.block_tables[row, :len(blocks)].tolist() == blocks
     idle = cache.step_metadata([1, 2], [0, 2], block_table_width=6)
     assert idle.query_start_loc.tolist() == [0, 0, 2] and idle.block_tables.shape == (2, 6)
@@ -125,7 +125,7 @@ def test_truncate_frees_emptied_blocks_and_never_writes_shared_ones():
     assert cache._seq_blocks[0][1] != cache._seq_blocks[1][1]
     assert read(cache, 0) == [0, 1, 2, 3, 4, 5, 55] and read(cache, 1) == [0, 1, 2, 3, 4, 5, 6, 70, 80]
     cache.truncate(1, 9)
-    assert cache.seq_len(1) == 0 and cache._seq_blocks[1] == []
+    assert cache.seq_len(1) == 0 and list(cache._seq_blocks[1]) == []
     cache.truncate(0, 0)
     assert cache.seq_len(0) == 7
 
@@ -347,7 +347,7 @@ def test_block_tables_and_slots_match_the_blocks_held_on_random_ragged_sequences
             assert metadata.seq_lens.tolist() == [cache.seq_len(s) for s in seq_ids]
         decoding = [s for s in seq_ids if cache.seq_len(s) > 0]
         metadata = cache.decode_metadata(decoding, block_table_width=needed + 2)
-        held = {s: cache._seq_blocks[s] for s in decoding}
+        held = {s: list(cache._seq_blocks[s]) for s in decoding}
         expected = torch.tensor([held[s] + [0] * (needed + 2 - len(held[s])) for s in decoding],
                                 dtype=torch.int32)  # [num_decoding, needed + 2]
         torch.testing.assert_close(metadata.block_tables, expected, rtol=0, atol=0)

@@ -167,9 +167,8 @@ class PagedKVCache:
         self.k_scales = [torch.ones((), device=self.device) for _ in range(num_layers)] if fp8 else None
         self.v_scales = [torch.ones((), device=self.device) for _ in range(num_layers)] if fp8 else None
         self._pool = BlockPool(num_blocks)
-        self._seq_blocks: dict[int, list[int]] = {}
-        # The same blocks as C ints, kept alongside, which block tables are built from in one copy.
-        self._seq_tables: dict[int, array.array] = {}
+        # Each sequence's blocks, as C ints: a step's block tables are built from them in one copy.
+        self._seq_blocks: dict[int, array.array] = {}
         self._seq_lens: dict[int, int] = {}
         # The token ids of each sequence's first tokens, where they were given without a gap (the prefix
         # cache's keys), and the hash chain of its full blocks among them.
@@ -252,8 +251,7 @@ class PagedKVCache:
             hashes.append(parent)
         for block in blocks:
             self._pool.hold(block)
-        self._seq_blocks[seq_id] = blocks
-        self._seq_tables[seq_id] = array.array("i", blocks)
+        self._seq_blocks[seq_id] = array.array("i", blocks)
         self._seq_lens[seq_id] = len(blocks) * self.block_size
         self._seq_tokens[seq_id] = tokens[:self._seq_lens[seq_id]]
         self._seq_hashes[seq_id] = hashes
@@ -365,8 +363,7 @@ class PagedKVCache:
         blocks = self._seq_blocks[seq_id][:-(-count // self.block_size)]
         for block in blocks:
             self._pool.hold(block)
-        self._seq_blocks[new_seq_id] = list(blocks)
-        self._seq_tables[new_seq_id] = array.array("i", blocks)
+        self._seq_blocks[new_seq_id] = blocks
         self._seq_lens[new_seq_id] = count
         self._seq_tokens[new_seq_id] = self._seq_tokens[seq_id][:count]
         self._seq_hashes[new_seq_id] = self._seq_hashes[seq_id][:count // self.block_size]
@@ -386,7 +383,6 @@ class PagedKVCache:
         num_kept = -(-kept // self.block_size)
         self._pool.release(blocks[num_kept:][::-1])
         del blocks[num_kept:]
-        del self._seq_tables[seq_id][num_kept:]
         self._seq_lens[seq_id] = kept
         del self._seq_tokens[seq_id][kept:]
         del self._seq_hashes[seq_id][kept // self.block_size:]
@@ -396,7 +392,7 @@ class PagedKVCache:
         self._check_known(seq_id)
         # Last blocks first: the prefix cache then evicts a prompt's tail before its head.
         self._pool.release(self._seq_blocks.pop(seq_id)[::-1])
-        for state in (self._seq_tables, self._seq_lens, self._seq_tokens, self._seq_hashes):
+        for state in (self._seq_lens, self._seq_tokens, self._seq_hashes):
             del state[seq_id]
 
     # Internals -------------------------------------------------------------------------------------------
@@ -416,16 +412,14 @@ class PagedKVCache:
             # longer the tokens the prefix cache knows it by.
             last = blocks[-1]
             if self._pool.ref_count(last) > 1:
-                blocks[-1] = self._seq_tables[seq_id][-1] = self._copy_block(last)
+                blocks[-1] = self._copy_block(last)
                 self._pool.release([last])
             elif self._pool.is_registered(last):
                 self._pool.unregister(last)
         end = length + num_tokens
         grow = -(-end // self.block_size) - len(blocks)
         if grow:
-            new_blocks = self._pool.allocate(grow)
-            blocks += new_blocks
-            self._seq_tables[seq_id].extend(new_blocks)
+            blocks.extend(self._pool.allocate(grow))
         self._seq_lens[seq_id] = end
         if token_ids is not None:
             self._register_tokens(seq_id, length, token_ids)
@@ -525,7 +519,7 @@ class PagedKVCache:
 
     def _flat_blocks(self, seq_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The blocks of the sequences one after another, and how many each holds."""
-        held = [self._seq_tables[seq_id] for seq_id in seq_ids]
+        held = [self._seq_blocks[seq_id] for seq_id in seq_ids]
         flat = bytearray().join(held)
         flat_blocks = torch.frombuffer(flat, dtype=torch.int32) if flat else torch.zeros(0, dtype=torch.int32)
         counts = torch.frombuffer(array.array("q", map(len, held)), dtype=torch.int64)
