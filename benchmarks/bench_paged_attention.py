@@ -10,8 +10,9 @@ and on SDPA's contiguous K/V (``tpkit-contiguous``), to show what the paging its
 
 With ``--kv-dtype fp8_e4m3`` (or ``fp8_e5m2``) the caches are quantized to float8 with one scale per cache
 (its amax over the format's largest value), the reference is the float32 attention over the dequantized
-cache, and only tpkit's implementations run (the others read 16-bit caches); bandwidth counts the float8
-bytes.
+cache, and tpkit's implementations and FlashInfer's (where installed: its decode wrapper and XQA on the
+same float8 pages, with the scales) run, not SDPA's (which reads 16-bit caches); bandwidth counts the
+float8 bytes.
 
 Every configuration uses head size 128 and KV block (page) 16, every sequence holding L tokens. Data is
 random normal; block tables are random permutations of the pages. Each implementation is checked against
@@ -302,6 +303,11 @@ def _naive_call(s: InputSet) -> Callable[[], torch.Tensor]:
     return run
 
 
+def _float_scales(s: InputSet) -> tuple[float, float]:
+    """A float8 set's k and v scales as Python floats (1 for a 16-bit cache)."""
+    return (1.0, 1.0) if s.k_scale is None else (float(s.k_scale), float(s.v_scale))
+
+
 def _tpkit_call(s: InputSet) -> Callable[[], torch.Tensor]:
     out = torch.empty_like(s.query)
     return lambda: paged_attention(s.query, s.key_cache, s.value_cache, s.block_tables, s.seq_lens, out=out,
@@ -357,13 +363,13 @@ def _bench_config(cfg: Config, args: argparse.Namespace, flex: _Flex | None, pee
         ("tpkit-contiguous", _tpkit_contiguous_call)]
     impls += [(name, lambda s, b=backend: _sdpa_call(s, b)) for name, backend in SDPA_BACKENDS.items()]
     impls += [("sdpa-default", lambda s: _sdpa_call(s, None)), ("naive-gather-sdpa", _naive_call)]
+    if kv_dtype is not None:  # the contiguous SDPA and gather baselines read no float8 cache
+        impls = [(name, make) for name, make in impls if name.startswith("tpkit")]
     if not isinstance(peers, str):
         impls += [(name, lambda s, n=name: peers.call(n, s.query, s.key_cache, s.value_cache, s.block_tables,
-                                                      s.seq_lens)) for name in FLASHINFER_IMPLS]
+                                                      s.seq_lens, *_float_scales(s)))
+                  for name in FLASHINFER_IMPLS]
     selected = None if args.impls is None else args.impls.split(",")
-    if kv_dtype is not None:
-        impls = [(name, make) for name, make in impls if name.startswith("tpkit")]
-        peers = "reads no float8 cache here"
     if selected is not None:
         impls = [(name, make) for name, make in impls if name in selected]
     results: dict[str, tuple[float, float]] = {}

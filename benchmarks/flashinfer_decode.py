@@ -3,7 +3,8 @@
 Three kernels, on a benchmark input set's own pages (NHD: ``[num_blocks, page_size, num_kv_heads,
 head_size]``, one block table per sequence): ``BatchDecodeWithPagedKVCacheWrapper`` on CUDA cores
 (``fi-decode``) and with ``use_tensor_cores=True`` (``fi-decode-tc``), each planned once per input set, and
-``flashinfer.decode.xqa_batch_decode_with_kv_cache`` (``fi-xqa``, TensorRT-LLM's XQA kernel).
+``flashinfer.decode.xqa_batch_decode_with_kv_cache`` (``fi-xqa``, TensorRT-LLM's XQA kernel). A float8
+cache's scales go to the decode wrapper's ``k_scale``/``v_scale`` and into XQA's two product scales.
 
 FlashInfer compiles each kernel the first time a shape needs it (10-70 s each). Run as a script it builds,
 ahead of a benchmark, the kernels that the named configurations of ``bench_paged_attention.py`` need (a GPU
@@ -44,10 +45,11 @@ class FlashInferDecode:
         self.xqa_workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
 
     def call(self, impl: str, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-             block_tables: torch.Tensor, seq_lens: torch.Tensor) -> Callable[[], torch.Tensor]:
-        """A call of ``impl`` on query ``[B, Hq, D]``, caches ``[num_blocks, page_size, Hkv, D]``, int32
-        block_tables ``[B, max_pages]`` and seq_lens ``[B]``, returning ``[B, Hq, D]``; planning (a host
-        sync) happens here, not in the call."""
+             block_tables: torch.Tensor, seq_lens: torch.Tensor, k_scale: float = 1.0,
+             v_scale: float = 1.0) -> Callable[[], torch.Tensor]:
+        """A call of ``impl`` on query ``[B, Hq, D]``, caches ``[num_blocks, page_size, Hkv, D]`` (16-bit, or
+        float8 with scales: stored times scale is the value), int32 block_tables ``[B, max_pages]`` and
+        seq_lens ``[B]``, returning ``[B, Hq, D]``; planning (a host sync) happens here, not in the call."""
         out = torch.empty_like(query)
         head_size = query.shape[-1]
         if impl == "fi-xqa":
@@ -55,7 +57,7 @@ class FlashInferDecode:
             max_seq_len = int(seq_lens.max())
             return lambda: self.flashinfer.decode.xqa_batch_decode_with_kv_cache(
                 query, (key_cache, value_cache), self.xqa_workspace, block_tables, seq_lens_u32, max_seq_len,
-                bmm1_scale=head_size ** -0.5, bmm2_scale=1.0, out=out)
+                bmm1_scale=head_size ** -0.5 * k_scale, bmm2_scale=v_scale, out=out)
         if impl not in ("fi-decode", "fi-decode-tc"):
             raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
         page_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -70,7 +72,7 @@ class FlashInferDecode:
         wrapper.plan(indptr, indices, last_page_len.to(torch.int32), query.shape[1], num_kv_heads, head_size,
                      page_size, q_data_type=query.dtype, kv_data_type=key_cache.dtype,
                      sm_scale=head_size ** -0.5)
-        return lambda: wrapper.run(query, (key_cache, value_cache), out=out)
+        return lambda: wrapper.run(query, (key_cache, value_cache), k_scale=k_scale, v_scale=v_scale, out=out)
 
 
 def main() -> None:
