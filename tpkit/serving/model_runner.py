@@ -149,11 +149,8 @@ class ModelRunner:
         """The captured batch size a step of decodes only pads up to; None for an eager step."""
         if not self.graph_sizes or len(batch) > self.graph_sizes[-1]:
             return None
-        to_encode = self._to_encode
-        for request, num_tokens in batch:
-            if num_tokens != 1 or len(request.context) - request.num_computed != 1 or (
-                    to_encode and request.request_id in to_encode):
-                return None
+        if any(n != 1 or r.num_pending != 1 or r.request_id in self._to_encode for r, n in batch):
+            return None
         return next(size for size in self.graph_sizes if size >= len(batch))
 
     def _run_graph(self, batch: Batch, size: int) -> torch.Tensor:

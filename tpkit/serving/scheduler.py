@@ -87,7 +87,7 @@ class Scheduler:
         preemption). The blocks they get are those one append each would give them."""
         count = 0
         for request in self.running[:budget]:
-            if len(request.context) - request.num_computed != 1:  # its num_pending
+            if request.num_pending != 1:
                 break
             count += 1
         if count and self.runner.append_decodes(self.running[:count]):
