@@ -500,10 +500,7 @@ class PagedKVCache:
                 for seq_id, count, ids in zip(seq_ids, counts, token_ids, strict=True)]
 
     def _check_width(self, seq_ids: list[int], width: int | None, where: str, grows: set[int]) -> int:
-        if grows:
-            needed = max(len(self._seq_blocks[seq_id]) + (seq_id in grows) for seq_id in seq_ids)
-        else:
-            needed = max(map(len, map(self._seq_blocks.__getitem__, seq_ids)))
+        needed = max(len(self._seq_blocks[seq_id]) + (seq_id in grows) for seq_id in seq_ids)
         if width is None:
             return needed
         if isinstance(width, bool) or not isinstance(width, int) or width < needed:
