@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tpkit.attention import AttentionMetadata, PagedKVCache
-from tpkit.attention.kv_cache import _copy_packed
+from tpkit.attention.host_tensors import _copy_packed
 
 
 def make_cache(num_blocks=10, block_size=4, **overrides):

@@ -203,6 +203,40 @@ def test_a_hit_on_cached_blocks_counts_them_as_taken():
     assert state(cache) == before
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_ids_recorded_before_or_after_their_slots_register_the_blocks_given_ids_do(seed):
+    """A decode's token is drawn on the device, so its id reaches the cache before or after its slot is
+    appended (or never, for a sequence's last token): the blocks registered, and found again by a later
+    prompt, are those of appending every id with its slot."""
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 2, 4])
+    prompt = [rng.randrange(1000) for _ in range(rng.randint(1, 11))]
+    generated = [rng.randrange(1000) for _ in range(rng.randint(1, 13))]
+    hashes = []
+    for way in ("with the slots", "recorded"):
+        cache = make_cache(num_blocks=24, block_size=block_size)
+        _prefill(cache, 0, prompt)
+        for position, token in enumerate(generated, start=len(prompt)):
+            if way == "with the slots":
+                cache.append_slots([0], [1], token_ids=[[token]])
+            elif rng.random() < 0.5:
+                cache.append_slots([0], [1])
+                cache.record_token_ids(0, position, [token])
+            else:
+                cache.record_token_ids(0, position, [token])
+                cache.append_slots([0], [1])
+        # A position out of order (not the next unknown one) is not recorded.
+        cache.record_token_ids(0, len(prompt) + len(generated) + 1, [7])
+        hashes.append(list(cache._seq_hashes[0]))
+        full = (len(prompt) + len(generated)) // block_size
+        assert len(hashes[-1]) == full and cache._seq_tokens[0] == prompt + generated
+        cache.free(0)
+        assert cache.num_cached_blocks == full
+        context = prompt + generated + [1]
+        assert cache.add_sequence(1, context) == full * block_size
+    assert hashes[0] == hashes[1]
+
+
 def test_refused_calls_change_nothing():
     cache = make_cache(num_blocks=6, block_size=4)
     cache.prefill_metadata([0, 1], [5, 3])
@@ -235,6 +269,12 @@ def test_refused_calls_change_nothing():
         (lambda: cache.truncate(1, True), ValueError, r"truncate: num_tokens: expected non-negative ints"),
         (lambda: cache.prefill_metadata([2, 3], [20, 1]), RuntimeError, r"this prefill step needs 6 blocks"),
         (lambda: cache.prefill_metadata([2, 0], [1, 1]), ValueError, r"expected new sequences, got 0"),
+        (lambda: cache.record_token_ids(4, 5, [1]), ValueError, r"expected a cached sequence"),
+        (lambda: cache.record_token_ids(0, -1, [1]), ValueError,
+         r"record_token_ids: start: expected non-negative ints, got -1 for seq_id 0"),
+        (lambda: cache.record_token_ids(0, 5, [-3]), ValueError,
+         r"record_token_ids: token_ids: expected non-negative ints, got -3"),
+        (lambda: cache.record_token_ids(0, 5, 3), TypeError, r"record_token_ids: token_ids: expected a list"),
     ]
     for call, error, message in calls:
         with pytest.raises(error, match=message):

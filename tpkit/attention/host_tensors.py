@@ -20,12 +20,19 @@ def _block_tables(flat: torch.Tensor, counts: torch.Tensor, width: int) -> torch
     return tables
 
 
-def _copy_packed(host: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """The host tensors on ``device`` by one copy of them packed together (from pinned memory on a GPU).
+def copy_to_device(host: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """The host tensors on ``device``: on a GPU by one copy of them packed together, from pinned memory.
 
     One copy a step instead of one a tensor: each copy is a few microseconds of an idle GPU between decode
     steps. From pinned memory the copy is queued behind the work already there, so building the next step's
     metadata overlaps the current step (from pageable memory the host would wait for the GPU's queue)."""
+    if device.type != "cuda":
+        return [tensor.to(device) for tensor in host]
+    return _copy_packed(host, device)
+
+
+def _copy_packed(host: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """:func:`copy_to_device` by one packed copy, on any device."""
     offsets, end = [], 0
     for tensor in host:
         end += -end % tensor.element_size()  # each view starts aligned to its element size

@@ -20,7 +20,7 @@ import torch
 
 from tpkit._memory import available_bytes
 from tpkit.attention.block_pool import ROOT_HASH, BlockPool, block_hash
-from tpkit.attention.host_tensors import _block_tables, _copy_packed
+from tpkit.attention.host_tensors import _block_tables, copy_to_device
 from tpkit.attention.kv_scales import FP8_KV_DTYPES, set_kv_scales
 
 logger = logging.getLogger("tpkit.attention")
@@ -272,6 +272,17 @@ class PagedKVCache:
         for seq_id, count, ids in zip(seq_ids, counts, tokens, strict=True):
             self._append(seq_id, count, ids)
 
+    def record_token_ids(self, seq_id: int, start: int, token_ids: Sequence[int]) -> None:
+        """The ids of tokens ``start ..`` of ``seq_id``, learnt after their slots were appended without them
+        (a token drawn on the GPU while the host appended its slot) or before (its slot comes later): the
+        blocks they fill are registered in the prefix cache once their slots are appended too. Ids are
+        recorded in order: where the id of a token before ``start`` is not known, nothing is recorded."""
+        self._check_known(seq_id)
+        ids = _as_token_ids(token_ids, "record_token_ids", seq_id)
+        start = _as_count(start, "record_token_ids: start", seq_id, 0)
+        self._record_ids(seq_id, start, ids)
+        self._register_blocks(seq_id)
+
     def step_metadata(self, seq_ids: Sequence[int], query_lens: Sequence[int], *,
                       block_table_width: int | None = None) -> AttentionMetadata:
         """A packed step over the last ``query_lens[i]`` tokens of each cached sequence ``seq_ids[i]``
@@ -422,17 +433,23 @@ class PagedKVCache:
             blocks.extend(self._pool.allocate(grow))
         self._seq_lens[seq_id] = end
         if token_ids is not None:
-            self._register_tokens(seq_id, length, token_ids)
+            self._record_ids(seq_id, length, token_ids)
+        if len(self._seq_tokens[seq_id]) > length:
+            self._register_blocks(seq_id)
 
-    def _register_tokens(self, seq_id: int, start: int, token_ids: list[int]) -> None:
-        """Records the ids of tokens ``start ..`` of ``seq_id`` and registers the blocks they fill in the
-        prefix cache, where the ids of every token before them are known (else the chain ended earlier)."""
+    def _record_ids(self, seq_id: int, start: int, token_ids: list[int]) -> None:
+        """Records the ids of tokens ``start ..`` of ``seq_id`` where the ids of every token before them are
+        known (else the chain ended earlier)."""
         known = self._seq_tokens[seq_id]
-        if len(known) != start:
-            return
-        known += token_ids
+        if len(known) == start:
+            known += token_ids
+
+    def _register_blocks(self, seq_id: int) -> None:
+        """Registers in the prefix cache the blocks of ``seq_id`` that are full, both of slots and of known
+        token ids, and not yet registered."""
+        known, length = self._seq_tokens[seq_id], self._seq_lens[seq_id]
         hashes, blocks = self._seq_hashes[seq_id], self._seq_blocks[seq_id]
-        for index in range(len(hashes), len(known) // self.block_size):
+        for index in range(len(hashes), min(len(known), length) // self.block_size):
             parent = hashes[-1] if hashes else ROOT_HASH
             hashes.append(block_hash(parent, known[index * self.block_size:(index + 1) * self.block_size]))
             self._pool.register(blocks[index], hashes[-1])
@@ -527,10 +544,5 @@ class PagedKVCache:
         host = [slot_mapping.long(), block_tables, seq_lens.int(), query_lens.int()]
         if query_start_loc is not None:
             host.append(query_start_loc.int())
-        on_device = self._to_device(*host)
+        on_device = copy_to_device(host, self.device)
         return AttentionMetadata(*on_device[:4], query_start_loc=on_device[4] if len(on_device) > 4 else None)
-
-    def _to_device(self, *host: torch.Tensor) -> list[torch.Tensor]:
-        if self.device.type != "cuda":
-            return [tensor.to(self.device) for tensor in host]
-        return _copy_packed(host, self.device)
