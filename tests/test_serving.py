@@ -171,6 +171,52 @@ def test_stop_tokens_and_eos_end_a_request_with_the_token_kept(checkpoints):
     assert outputs[-1].token_ids == ref_tokens[0][:first + 1]
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_requests_stopping_while_others_run_end_on_their_stop_token(checkpoints, seed):
+    """Each request stops on its own token, drawn at random from its greedy output, while the others go on
+    (the GPU runs a step ahead of the host: a stopped request's next step is dropped), under preemption and
+    chunked prefill; its output ends on its first stop token and every block comes back."""
+    import random
+
+    from tpkit.serving import SamplingParams
+
+    rng = random.Random(seed)
+    path, ref_tokens = checkpoints("llama")
+    model = _model(path)
+    engine, _ = _llama_engine(checkpoints, kv_cache_memory=6 * _block_bytes(model),
+                              max_num_batched_tokens=rng.choice([16, 64]))
+    sampling, expected = [], []
+    for ref in ref_tokens:
+        stop = rng.choice(ref) if rng.random() < 0.8 else -1
+        stops = [stop] if stop >= 0 else []
+        sampling.append(SamplingParams(MAX_NEW_TOKENS, stop_token_ids=stops, ignore_eos=True))
+        expected.append(ref[:ref.index(stop) + 1] if stops else ref)
+    assert engine.generate(PROMPTS, sampling) == expected
+    assert not engine.has_unfinished_requests()
+    cache = engine.runner.caches["self"]
+    assert cache.num_free_blocks == cache.num_blocks
+
+
+def test_generated_tokens_reach_the_prefix_cache(checkpoints):
+    """A finished request's generated tokens are found again by a prompt that repeats them (a
+    conversation's next turn): their full blocks are cached, and the next turn's tokens are those of an
+    engine without a prefix cache."""
+    from tpkit.serving import SamplingParams
+
+    engine, ref_tokens = _llama_engine(checkpoints)
+    sampling = SamplingParams(MAX_NEW_TOKENS, ignore_eos=True)
+    assert engine.generate([PROMPTS[0]], sampling) == [ref_tokens[0]]
+    cache, block_size = engine.runner.caches["self"], engine.model.kv_block_size
+    # Every token but the last went through the model, its K/V into the cache.
+    computed = len(PROMPTS[0]) + MAX_NEW_TOKENS - 1
+    assert cache.num_cached_blocks == computed // block_size
+    next_turn = PROMPTS[0] + ref_tokens[0] + [7, 8]
+    assert cache.add_sequence(-1, next_turn) == computed // block_size * block_size
+    cache.free(-1)
+    plain, _ = _llama_engine(checkpoints, prefix_caching=False)
+    assert engine.generate([next_turn], sampling) == plain.generate([next_turn], sampling)
+
+
 def test_abort_ends_a_request_and_frees_its_blocks(checkpoints):
     from tpkit.serving import SamplingParams
 
@@ -293,5 +339,7 @@ def test_decode_steps_through_the_static_step_give_transformers_tokens(checkpoin
         assert tokens == ref_tokens
         for cache in engine.runner.caches.values():
             assert cache.num_free_blocks == cache.num_blocks
-    assert steps and all(width == -(-model.max_positions // model.kv_block_size)
+    # Graphs' tables are a power of two of blocks wide, at least 8 (or as wide as the model's positions).
+    most = -(-model.max_positions // model.kv_block_size)
+    assert steps and all(width == most or (width >= 8 and width & (width - 1) == 0)
                          for batch, widths, _ in steps for _, width in widths)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tpkit.attention import AttentionMetadata, PagedKVCache
+from tpkit.attention import AttentionMetadata, PagedKVCache, copy_to_device
 from tpkit.models.cuda_graph import DecodeGraph
 from tpkit.models.prompts import Prompts, check_input_ids, check_prompts, parse_eos_token_ids
 from tpkit.models.sampling import Sampler, greedy_tokens
@@ -34,7 +34,7 @@ from tpkit.models.sequence_parallel import NO_GENERATION
 from tpkit.parallel_layers import check_ranks_agree
 
 # Captured decode graphs a model keeps (one per batch size, block-table width and step variant).
-_MAX_GRAPHS = 8
+_MAX_GRAPHS = 32
 StepFn = Callable[[torch.Tensor, Mapping[str, AttentionMetadata], Sequence[int]], torch.Tensor]
 
 def _one_call_at_a_time(generate: Callable) -> Callable:
@@ -439,15 +439,21 @@ class PagedDecoderOnlyLM(PagedLM):
                 logits.append(self.compute_logits(hidden[torch.tensor(ends, device=self.device)]))
         return torch.cat(logits)
 
-    def _packed_step(self, cache: PagedKVCache, chunks: list[tuple[int, int, list[int]]]) -> torch.Tensor:
+    def _packed_step(self, cache: PagedKVCache, chunks: list[tuple[int, int, list[int]]],
+                     input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """One packed step of token chunks ``(seq_id, start, token_ids)``, already appended to the cache (the
-        tokens at positions ``start ..`` of their sequence); final hidden states ``[num_tokens, hidden]``."""
+        tokens at positions ``start ..`` of their sequence); final hidden states ``[num_tokens, hidden]``.
+        ``input_ids`` ``[num_tokens]`` on the device, where given, are the chunks' tokens (their lists then
+        give the positions only)."""
         metadata = cache.step_metadata([seq_id for seq_id, _, _ in chunks],
                                        [len(ids) for _, _, ids in chunks])
-        input_ids = torch.tensor([[token for _, _, ids in chunks for token in ids]], device=self.device)
-        positions = torch.tensor([[p for _, start, ids in chunks for p in range(start, start + len(ids))]],
-                                 device=self.device)  # [1, num_tokens], as input_ids
-        return self.hidden_states(input_ids, positions, cache, metadata)[0]
+        positions = torch.tensor([p for _, start, ids in chunks for p in range(start, start + len(ids))])
+        if input_ids is None:
+            tokens = torch.tensor([token for _, _, ids in chunks for token in ids])  # [num_tokens]
+            positions, input_ids = copy_to_device([positions, tokens], self.device)
+        else:
+            (positions,) = copy_to_device([positions], self.device)
+        return self.hidden_states(input_ids[None], positions[None], cache, metadata)[0]
 
     @torch.inference_mode()
     def forward_on_cache(self, kv_cache: PagedKVCache, seq_ids: Sequence[int],

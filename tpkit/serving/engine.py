@@ -17,24 +17,26 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
 from tpkit._env import env_flag
+from tpkit.attention import copy_to_device
 from tpkit.models.generation import PagedLM
 from tpkit.models.prompts import Prompts, check_prompts
 from tpkit.models.sampling import Sampler
 from tpkit.parallel_layers import check_ranks_agree
-from tpkit.serving.model_runner import ModelRunner
-from tpkit.serving.request import Request, RequestOutput
+from tpkit.serving.model_runner import Drawn, ModelRunner
+from tpkit.serving.request import DRAWN, Request, RequestOutput
 from tpkit.serving.sampling import SamplingParams, draw_tokens, request_sampler
 from tpkit.serving.scheduler import Scheduler
 
 # The KV budget off a GPU, where ``kv_cache_memory`` is a fraction: of this many bytes.
 CPU_KV_CACHE_BYTES = 256 << 20
-_MAX_GRAPH_SIZES = 8  # the model keeps this many captured graphs
+_MAX_GRAPH_SIZES = 8  # batch sizes a decode graph is captured for
 
 
 class Engine:
@@ -79,6 +81,7 @@ class Engine:
                               tp_group=self.tp_group)
         self._requests: dict[int, Request] = {}
         self._aborted: list[Request] = []
+        self._in_flight: _InFlight | None = None  # the step launched ahead, its tokens not read yet
         self._next_id = itertools.count()
         self._eos = frozenset(model.eos_token_ids)
 
@@ -168,24 +171,55 @@ class Engine:
 
     def _step(self) -> tuple[list[Request], list[tuple[Request, int]]]:
         """One scheduled step: the requests aborted since the last step, and each (request, token) the step
-        generated, in batch order."""
+        generated, in batch order.
+
+        The GPU runs ahead of the host by one step: the next step is launched, its inputs taking the tokens
+        this step drew on the device, before this step's tokens are read back, so that the host's scheduling
+        of a step overlaps the GPU's running of the one before. A request that stops on a token the host has
+        not read yet runs once more in the step launched meanwhile, and that step's token for it is dropped.
+        """
         aborted, self._aborted = self._aborted, []
-        batch = self.scheduler.schedule()
+        current = self._in_flight
+        if current is None:
+            current = self._launch(self.scheduler.schedule(), None)
+        self._in_flight = self._launch(self.scheduler.schedule(), current)
+        return aborted, self._collect(current) if current is not None else []
+
+    def _launch(self, batch: list[tuple[Request, int]], previous: _InFlight | None) -> _InFlight | None:
+        """Queue one step of ``batch`` on the device and the draw of its tokens, then count its tokens as
+        computed: a request whose context it finishes holds :data:`DRAWN` as its next token. None for an
+        empty batch."""
         if not batch:
-            return aborted, []
-        logits = self.runner.run(batch)
+            return None
+        logits = self.runner.run(batch, previous.drawn if previous is not None else None)
         done = []  # the requests whose context the step finished, in batch order
         for request, num_tokens in batch:
             request.num_computed += num_tokens
             if request.num_computed == len(request.context):
                 done.append(request)
-        tokens = draw_tokens(logits, [r.sampler for r in done], self._share) if done else []
+        tokens = draw_tokens(logits, [r.sampler for r in done], self._share) if done else \
+            torch.empty(0, dtype=torch.int64, device=logits.device)  # [len(done)]
+        self._force(tokens, done)
+        positions = []
+        for request in done:
+            positions.append(len(request.context))
+            request.context.append(DRAWN)
+            if self._num_generated(request) == request.params.max_new_tokens:
+                self.scheduler.remove(request)  # its last token: no step runs it
+        return _InFlight(done, positions, tokens, *_to_host(tokens))
+
+    def _collect(self, step: _InFlight) -> list[tuple[Request, int]]:
+        """Read a launched step's tokens back (waiting for it) into its requests' outputs, and retire the
+        requests that are done; each (request, token), in batch order."""
+        if step.ready is not None:
+            step.ready.synchronize()
         now = time.perf_counter()
         generated = []
-        for request, token in zip(done, tokens, strict=True):
-            token = self._forced(request, token)
+        for request, position, token in zip(step.requests, step.positions, step.host.tolist(), strict=True):
+            if request.finish_reason is not None:  # aborted, or stopped on a token an earlier step drew
+                continue
+            request.context[position] = token
             request.output.append(token)
-            request.context.append(token)
             request.token_times.append(now)
             params = request.params
             if token in params.stop_token_ids or (not params.ignore_eos and token in self._eos):
@@ -195,17 +229,29 @@ class Engine:
             if request.finish_reason is not None:
                 self.scheduler.remove(request)
                 del self._requests[request.request_id]
+            else:
+                self.runner.record_token(request, position, token)
             generated.append((request, token))
-        return aborted, generated
+        return generated
 
-    def _forced(self, request: Request, token: int) -> int:
-        """The model's forced first / last token where it has one (BART's), as ``generate`` does."""
-        step, last = len(request.output), request.params.max_new_tokens - 1
-        if step == last and self.model.forced_eos_token_id is not None:
-            return self.model.forced_eos_token_id
-        if step == 0 and self.model.forced_bos_token_id is not None:
-            return self.model.forced_bos_token_id
-        return token
+    def _num_generated(self, request: Request) -> int:
+        """Tokens generated for the request so far, those still on the device included."""
+        return len(request.context) - (1 if self.runner.encoder_decoder else len(request.prompt))
+
+    def _force(self, tokens: torch.Tensor, requests: list[Request]) -> None:
+        """The model's forced first / last token where it has one (BART's), as ``generate`` does, into the
+        drawn ``tokens`` ``[len(requests)]`` on the device."""
+        model, forced = self.model, []
+        for row, request in enumerate(requests):
+            step = self._num_generated(request)
+            if step == request.params.max_new_tokens - 1 and model.forced_eos_token_id is not None:
+                forced.append((row, model.forced_eos_token_id))
+            elif step == 0 and model.forced_bos_token_id is not None:
+                forced.append((row, model.forced_bos_token_id))
+        if forced:
+            rows, ids = copy_to_device([torch.tensor([r for r, _ in forced]),
+                                        torch.tensor([t for _, t in forced])], tokens.device)
+            tokens[rows] = ids
 
     def generate(self, prompts: Prompts, sampling: SamplingParams | Sequence[SamplingParams]
                  ) -> list[list[int]]:
@@ -256,3 +302,32 @@ def _output(request: Request, new_token_ids: list[int]) -> RequestOutput:
                          finish_reason=request.finish_reason, arrival_time=request.arrival_time,
                          first_token_time=request.token_times[0] if request.token_times else None,
                          token_times=list(request.token_times))
+
+
+@dataclass
+class _InFlight:
+    """A launched step: the requests it draws a token for, in batch order, each token's position in its
+    request's context, the tokens on the device (int64 ``[len(requests)]``) and their copy on the host, whole
+    once ``ready`` (None: already) has happened."""
+
+    requests: list[Request]
+    positions: list[int]
+    tokens: torch.Tensor
+    host: torch.Tensor
+    ready: torch.cuda.Event | None
+
+    @property
+    def drawn(self) -> Drawn:
+        return self.tokens, {request: row for row, request in enumerate(self.requests)}
+
+
+def _to_host(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """``tokens`` on the host, copied without the host waiting, and the event after which the copy is whole
+    (None off a GPU, where ``tokens`` are on the host already)."""
+    if not tokens.is_cuda:
+        return tokens, None
+    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+    host.copy_(tokens, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready

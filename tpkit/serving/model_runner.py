@@ -7,20 +7,29 @@ A decoder-only model runs :meth:`PagedDecoderOnlyLM._packed_step`; an encoder-de
 over the prompts the step starts, their K/V into the cross cache, and the decoder over every request's tokens
 in the same call. On CUDA, a step of decodes only replays the model's CUDA graph of the next captured batch
 size up, its rows past the batch padding.
+
+A step may be launched before the one before it has been read back: a request whose last context token the
+previous step drew holds :data:`~tpkit.serving.request.DRAWN` there on the host, and the step takes that
+token from the previous step's tokens on the device. Its id reaches the prefix cache when the host reads it
+(:meth:`ModelRunner.record_token`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import itertools
+from collections.abc import Mapping, Sequence
 
 import torch
 
-from tpkit.attention import AttentionMetadata
+from tpkit.attention import AttentionMetadata, copy_to_device
 from tpkit.models.generation import PagedDecoderOnlyLM, PagedLM
-from tpkit.serving.request import Request
+from tpkit.serving.request import DRAWN, Request
 
 Batch = Sequence[tuple[Request, int]]
+# The tokens a launched step drew, still on the device (int64 ``[num_drawn]``), and the row of each request's.
+Drawn = tuple[torch.Tensor, Mapping[Request, int]]
+_MIN_GRAPH_WIDTH = 8  # blocks: the narrowest block table a decode graph is captured for
 
 
 class ModelRunner:
@@ -73,11 +82,9 @@ class ModelRunner:
 
     def append_decodes(self, requests: Sequence[Request]) -> bool:
         """A slot each for the next token of requests that decode (one pending token each), all or none;
-        False (nothing changed) when blocks run out."""
-        ids = [[r.context[r.num_computed]] for r in requests] if self.prefix_caching else None
+        False (nothing changed) when blocks run out. The tokens' ids come later (:meth:`record_token`)."""
         try:
-            self.caches["self"].append_slots([r.request_id for r in requests], [1] * len(requests),
-                                             token_ids=ids)
+            self.caches["self"].append_slots([r.request_id for r in requests], [1] * len(requests))
         except RuntimeError:
             return False
         return True
@@ -86,12 +93,21 @@ class ModelRunner:
         """Slots for the request's next ``num_tokens`` context tokens; False (nothing changed) when blocks run
         out."""
         start = request.num_computed
-        ids = [request.context[start:start + num_tokens]] if self.prefix_caching else None
+        ids = request.context[start:start + num_tokens]
+        # A drawn token still on the device is the context's last; its id comes later (record_token).
+        token_ids = [ids] if self.prefix_caching and ids[-1] != DRAWN else None
         try:
-            self.caches["self"].append_slots([request.request_id], [num_tokens], token_ids=ids)
+            self.caches["self"].append_slots([request.request_id], [num_tokens], token_ids=token_ids)
         except RuntimeError:
             return False
         return True
+
+    def record_token(self, request: Request, position: int, token: int) -> None:
+        """A drawn token read back on the host, at ``position`` of the request's context: into the prefix
+        cache's record of the request's tokens (a decoder's context is its cache's sequence)."""
+        cache = self.caches["self"]
+        if self.prefix_caching and request.request_id in cache:
+            cache.record_token_ids(request.request_id, position, [token])
 
     def free(self, request: Request) -> None:
         """Let the request's blocks go (those the prefix cache knows stay cached)."""
@@ -101,26 +117,46 @@ class ModelRunner:
                 cache.free(request.request_id)
 
     @torch.inference_mode()
-    def run(self, batch: Batch) -> torch.Tensor:
+    def run(self, batch: Batch, drawn: Drawn | None = None) -> torch.Tensor:
         """One model call over the batch (slots appended); logits ``[n, vocab]`` of the ``n`` requests whose
-        context the step reaches the end of, in batch order."""
+        context the step reaches the end of, in batch order. ``drawn``: the previous step's tokens, for the
+        requests whose last context token is one of them."""
         size = self._graph_size(batch)
         if size is not None:
-            return self._run_graph(batch, size)
-        device = self.model.device
+            return self._run_graph(batch, size, drawn)
         chunks = [(r.request_id, r.num_computed, r.context[r.num_computed:r.num_computed + n])
                   for r, n in batch]
+        ends = list(itertools.accumulate(n for _, n in batch))
+        input_ids = self._input_ids([t for _, _, ids in chunks for t in ids], batch,
+                                    [end - 1 for end in ends], drawn)  # [num_tokens]
         if self.encoder_decoder:
-            hidden = self._encoder_decoder_step(chunks)
+            hidden = self._encoder_decoder_step(chunks, input_ids)
         else:
-            hidden = self.model._packed_step(self.caches["self"], chunks)  # [num_tokens, hidden]
-        ends = torch.tensor([n for _, n in batch], device=device).cumsum(0) - 1  # [num_seqs]
-        last = torch.tensor([r.num_computed + n == len(r.context) for r, n in batch], device=device)
-        return self.model.compute_logits(hidden[ends[last]])
+            hidden = self.model._packed_step(self.caches["self"], chunks, input_ids)  # [num_tokens, hidden]
+        # Rows of the tokens that end their request's context: the ones with logits.
+        rows = torch.tensor([end - 1 for end, (r, n) in zip(ends, batch, strict=True)
+                             if r.num_computed + n == len(r.context)], dtype=torch.int64)
+        (rows,) = copy_to_device([rows], self.model.device)
+        return self.model.compute_logits(hidden[rows])
 
-    def _encoder_decoder_step(self, chunks: list[tuple[int, int, list[int]]]) -> torch.Tensor:
-        """Final decoder hidden states ``[num_tokens, d_model]`` of one packed step, the encoder run over the
-        prompts of the requests it starts."""
+    def _input_ids(self, tokens: list[int], batch: Batch, last: Sequence[int], drawn: Drawn | None
+                   ) -> torch.Tensor:
+        """The step's ``tokens`` ``[num_tokens]`` on the device, each request's last one (at ``last[i]`` for
+        ``batch[i]``) taken from ``drawn`` where the previous step drew it."""
+        patch = [] if drawn is None else [(at, drawn[1][r]) for at, (r, _) in zip(last, batch, strict=True)
+                                          if r in drawn[1]]
+        if not patch:
+            (ids,) = copy_to_device([torch.tensor(tokens)], self.model.device)
+            return ids
+        ids, at, source = copy_to_device([torch.tensor(tokens), torch.tensor([a for a, _ in patch]),
+                                          torch.tensor([s for _, s in patch])], self.model.device)
+        ids[at] = drawn[0][source]
+        return ids
+
+    def _encoder_decoder_step(self, chunks: list[tuple[int, int, list[int]]], input_ids: torch.Tensor
+                              ) -> torch.Tensor:
+        """Final decoder hidden states ``[num_tokens, d_model]`` of one packed step of the decoder's
+        ``input_ids`` ``[num_tokens]``, the encoder run over the prompts of the requests it starts."""
         model, device = self.model, self.model.device
         seq_ids = [seq_id for seq_id, _, _ in chunks]
         new = [seq_id in self._to_encode for seq_id in seq_ids]
@@ -135,10 +171,9 @@ class ModelRunner:
         cross_metadata = dataclasses.replace(self.caches["cross"].step_metadata(seq_ids, prompt_lens),
                                              query_lens=self_metadata.query_lens,
                                              query_start_loc=self_metadata.query_start_loc)
-        input_ids = torch.tensor([[t for _, _, ids in chunks for t in ids]], device=device)  # [1, num_tokens]
-        positions = torch.tensor([[p for _, start, ids in chunks for p in range(start, start + len(ids))]],
-                                 device=device)
-        hidden = model.decode(input_ids, positions, encoder_tokens, self.caches,
+        positions = torch.tensor([p for _, start, ids in chunks for p in range(start, start + len(ids))])
+        (positions,) = copy_to_device([positions], device)  # [num_tokens]
+        hidden = model.decode(input_ids[None], positions[None], encoder_tokens, self.caches,
                               {"self": self_metadata, "cross": cross_metadata})
         for seq_id in seq_ids:
             self._to_encode.pop(seq_id, None)
@@ -153,7 +188,14 @@ class ModelRunner:
             return None
         return next(size for size in self.graph_sizes if size >= len(batch))
 
-    def _run_graph(self, batch: Batch, size: int) -> torch.Tensor:
+    def _graph_width(self, name: str, needed: int) -> int:
+        """The block-table width of the graph for a step whose widest table in cache ``name`` is ``needed``
+        blocks: the next power of two up (at least ``_MIN_GRAPH_WIDTH``), at most the model's positions. The
+        attention kernel splits a context by its table's width, so a graph as wide as the model's positions
+        would split short contexts into partitions that are mostly empty."""
+        return min(self._max_blocks[name], max(_MIN_GRAPH_WIDTH, 1 << (needed - 1).bit_length()))
+
+    def _run_graph(self, batch: Batch, size: int, drawn: Drawn | None) -> torch.Tensor:
         model = self.model
         seq_ids = [r.request_id for r, _ in batch]
         # Decode-shaped metadata (no query_start_loc) with block tables as wide as the sequences need: the
@@ -162,10 +204,8 @@ class ModelRunner:
             self.caches["self"].step_metadata(seq_ids, [1] * len(batch)), query_start_loc=None)}
         if self.encoder_decoder:
             metadata["cross"] = self.caches["cross"].decode_metadata(seq_ids, append=False)
-        step = model._graph_step(model._decode_step, self.caches, size, self._max_blocks, ("serving",))
-        # From pinned memory on a GPU: the copy queues behind the metadata's, the host does not wait for it.
-        on_gpu = model.device.type == "cuda"
-        last_tokens = torch.tensor([r.context[-1] for r, _ in batch], pin_memory=on_gpu)  # [batch]
-        input_ids = last_tokens.to(model.device, non_blocking=on_gpu)[:, None]  # [batch, 1]
-        return step(input_ids, metadata, range(len(batch))).clone()
-
+        widths = {name: self._graph_width(name, m.block_tables.shape[1]) for name, m in metadata.items()}
+        step = model._graph_step(model._decode_step, self.caches, size, widths, ("serving",))
+        input_ids = self._input_ids([r.context[-1] for r, _ in batch], batch, range(len(batch)), drawn)
+        # The graph's own logits buffer, which its next replay overwrites: the caller draws from it first.
+        return step(input_ids[:, None], metadata, range(len(batch)))

@@ -7,14 +7,17 @@ from dataclasses import dataclass, field
 from tpkit.models.sampling import Sampler
 from tpkit.serving.sampling import SamplingParams
 
+# A context's last token while it exists only on the device: drawn by a step the host has not read back yet.
+DRAWN = -1
+
 
 @dataclass(eq=False)
 class Request:
     """One prompt's generation. ``context`` is what the model runs for it: a decoder-only model's prompt and
     the tokens generated so far; an encoder-decoder's decoder start token and the generated tokens (the
     prompt goes through the encoder). ``num_computed`` of its tokens are in the KV cache; the rest run in the
-    next steps (a prompt's chunks, a decode's last token, everything again after a preemption). Requests
-    compare by identity."""
+    next steps (a prompt's chunks, a decode's last token, everything again after a preemption). The last
+    context token is :data:`DRAWN` while the step that drew it is in flight. Requests compare by identity."""
 
     request_id: int
     prompt: list[int]

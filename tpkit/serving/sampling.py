@@ -56,9 +56,10 @@ def request_sampler(params: SamplingParams, device: torch.device, tp_group: Any)
                    device=device, tp_group=tp_group)
 
 
-def draw_tokens(logits: torch.Tensor, samplers: Sequence[Sampler | None], share: Sampler) -> list[int]:
+def draw_tokens(logits: torch.Tensor, samplers: Sequence[Sampler | None], share: Sampler) -> torch.Tensor:
     """logits ``[num_seqs, vocab]``, row ``i`` a request's with ``samplers[i]`` (None: greedy) -> its next
-    tokens, identical on every rank (``share`` broadcasts rank 0's)."""
+    tokens, int64 ``[num_seqs]`` on the logits' device, identical on every rank (``share`` broadcasts rank
+    0's). Nothing waits for the GPU."""
     if not share.is_source:
         tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
     else:
@@ -66,4 +67,4 @@ def draw_tokens(logits: torch.Tensor, samplers: Sequence[Sampler | None], share:
         for row, sampler in enumerate(samplers):
             if sampler is not None:
                 tokens[row] = sampler.draw(logits[row:row + 1])[0]
-    return share.share(tokens).tolist()
+    return share.share(tokens)
