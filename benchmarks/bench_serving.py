@@ -17,8 +17,8 @@ ratio cross / naive per rate and whether it is at most 1 at every rate. Each way
 engine with the same KV budget; at each rate both serve, taking turns to go first. Their tokens are compared
 (the fraction of equal tokens: below 1 only where bf16 rounding tips a greedy choice).
 
-Before timing, each engine serves one batch of every size it captures a CUDA graph for, so that no capture
-falls into a timed run.
+Before timing, each engine serves the workload's requests once, all at once (other tokens), so that no CUDA
+graph capture or first run of a kernel falls into a timed run.
 
 At the lightest rate the mean TPOT is set beside a decode step of tpkit's static ``generate`` (from CUDA
 graphs on a GPU) for a batch of the mean number of requests decoding at once (Little's law: output tokens/s
@@ -152,10 +152,12 @@ def _print_light_load(rate: float, work: Work, results: dict[str, dict], models:
               f"(goal <= 1.10)")
 
 
-def _warm_up(engine: Engine) -> None:
-    """A decode step of every batch size the engine replays a CUDA graph for (one request off a GPU)."""
-    for size in engine.runner.graph_sizes or [1]:
-        engine.generate([[5] * 8] * size, SamplingParams(2, ignore_eos=True))
+def _warm_up(engine: Engine, work: Work, vocab_size: int) -> None:
+    """The workload's requests all at once, untimed: their steps go through the batch sizes and block-table
+    widths the timed runs see, so that no CUDA graph is captured and no kernel is first run inside a timed
+    run. Other tokens, so that the timed runs find nothing in the prefix cache."""
+    prompts = [[3 + (token + 1) % (vocab_size - 3) for token in prompt] for _, prompt, _ in work]
+    engine.generate(prompts, [SamplingParams(new_tokens, ignore_eos=True) for _, _, new_tokens in work])
 
 
 def _print_rate(model: str, rate: float, num_requests: int, results: dict[str, dict]) -> None:
@@ -198,10 +200,11 @@ def main() -> None:
     budget = int(torch.cuda.mem_get_info(device)[0] * KV_CACHE_FRACTION / len(models)) if cuda \
         else CPU_KV_CACHE_BYTES
     engines = {way: Engine(model, kv_cache_memory=budget) for way, model in models.items()}
-    for engine in engines.values():
-        _warm_up(engine)
     tpot_ratios = {}
     rates = [float(r) for r in args.rates.split(",")]
+    args.rate = rates[0]  # the prompts and token counts are the same at every rate
+    for engine in engines.values():
+        _warm_up(engine, _workload(args, config["vocab_size"]), config["vocab_size"])
     for turn, rate in enumerate(rates):
         args.rate = rate
         work = _workload(args, config["vocab_size"])
