@@ -54,7 +54,7 @@ enum class LinearEpilogue { kPlain, kSiLUAndMul, kRotaryCache, kResidualNorm };
 // kSiLUAndMul, the gate's 8 rows and the up projection's same 8 features; with kRotaryCache, in a q or k
 // head, 8 features and the 8 they rotate with (head_size / 2 on), so that the epilogue combines them.
 // kFp8Weight: the weight is float8 (E4M3), 8 bytes a lane a step converted to T in registers, and each
-// feature's sum is multiplied by its weight_scale (decode_linear.h).
+// feature's sum is multiplied by its weight_scale (decode_linear.h), whichever the epilogue.
 template <typename T, int kSplits, bool kUpperRows, LinearEpilogue kEpilogue, bool kFp8Weight = false>
 __global__ void __launch_bounds__(kLinearRowGroups * kSplits * 32,
                                   kLinearThreadsPerSM / (kLinearRowGroups * kSplits * 32))
@@ -186,12 +186,17 @@ __global__ void __launch_bounds__(kLinearRowGroups * kSplits * 32,
       const bool is_key = n < a.rotary_features;
       const int kv_n = n - (is_key ? a.q_features : a.rotary_features);
       const int head = kv_n / a.head_size, d = kv_n % a.head_size;
-      if (is_key) {
-        static_cast<T*>(a.key_cache)[block * a.kc_stride_block + offset * a.kc_stride_token +
-                                     head * a.kc_stride_head + d] = rounded;
+      void* cache = is_key ? a.key_cache : a.value_cache;
+      const int64_t index =
+          is_key ? block * a.kc_stride_block + offset * a.kc_stride_token + head * a.kc_stride_head + d
+                 : block * a.vc_stride_block + offset * a.vc_stride_token + head * a.vc_stride_head + d;
+      if (a.cache_fp8 == TPKIT_FP8_NONE) {
+        static_cast<T*>(cache)[index] = rounded;
       } else {
-        static_cast<T*>(a.value_cache)[block * a.vc_stride_block + offset * a.vc_stride_token +
-                                       head * a.vc_stride_head + d] = rounded;
+        // The rounded value, as the layers' forward hands it to the quantizing cache write.
+        const float scale = (is_key ? a.k_scale : a.v_scale)[a.scale_per_head ? head : 0];
+        const __nv_fp8_interpretation_t format = a.cache_fp8 == TPKIT_FP8_E5M2 ? __NV_E5M2 : __NV_E4M3;
+        static_cast<__nv_fp8_storage_t*>(cache)[index] = quantize_fp8(Traits::to_float(rounded), scale, format);
       }
     }
     return;
