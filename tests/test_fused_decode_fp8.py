@@ -256,3 +256,18 @@ def test_fused_step_on_float8_at_tp2_equals_the_layers_step(ranks, scheme, cache
     for plain, fused, plain_caches, fused_caches in ranks.run(2, _steps_at_tp2, scheme, cache_dtype):
         torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
         assert torch.equal(fused_caches, plain_caches)
+
+
+@pytest.mark.parametrize("scheme", ["tensor", "channel"])
+def test_fused_step_on_float8_compiles_without_graph_breaks(scheme) -> None:
+    # generate(compile=True) compiles the decode step: the scales' expansion and the float8 cache's scales
+    # must trace too (fullgraph=True fails on any break). Same logits as the eager step.
+    model = _fp8_llama(scheme, torch.float8_e4m3fn)
+    model.fused_decode = True
+    caches, tokens, metadata = _prefilled(model, (6, 3))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = model._decode_step(tokens[:, None], metadata, caches)
+        compiled = torch.compile(model._decode_step, fullgraph=True, backend="eager")
+        logits = compiled(tokens[:, None], metadata, caches)
+    torch.testing.assert_close(logits, eager)

@@ -72,7 +72,7 @@ def fused_decode_applies(model: LlamaForCausalLM, x: torch.Tensor, kv_cache: Pag
         return False
     if model.layers[0].self_attn.q_norm is not None:  # q/k norms come before RoPE, in the qkv epilogue's way
         return False
-    return model.fused_decode or decode_kernel_applies(x, *_weight(qkv_proj))
+    return model.fused_decode or decode_kernel_applies(x, qkv_proj.weight)
 
 
 def _quantization_fuses(layer: nn.Module, x: torch.Tensor) -> bool:

@@ -118,11 +118,21 @@ def _qkv_rope_cache_reference(input: torch.Tensor, weight: torch.Tensor, bias: t
 # inductor hands the op its inputs as it laid them out (the binding takes contiguous cos and sin, as inductor
 # makes them, and declines anything else), rather than copying the step's cos and sin into buffers of their
 # own for every layer's call.
+def _check_qkv_caches(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
+                      sin: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor, num_heads: int, rms_sums: torch.Tensor | None = None,
+                      eps: float = 0.0, weight_scale: torch.Tensor | None = None,
+                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, *,
+                      read_values: bool = False) -> None:
+    # In the op: the scales' values are read (on the CPU) where the tensors hold them, never while tracing.
+    _check_caches("decode_qkv_rope_cache", key_cache, value_cache, input.dtype, "input", k_scale, v_scale)
+
+
 _define_op("decode_qkv_rope_cache",
            "(Tensor input, Tensor weight, Tensor? bias, Tensor cos, Tensor sin, Tensor(a!) key_cache, "
            "Tensor(b!) value_cache, Tensor slot_mapping, SymInt num_heads, Tensor? rms_sums=None, "
            "float eps=0., Tensor? weight_scale=None, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor",
-           ("key_cache", "value_cache"), None, _qkv_rope_cache_reference,
+           ("key_cache", "value_cache"), _check_qkv_caches, _qkv_rope_cache_reference,
            outputs=lambda input, weight, *args: _product(input, weight), tags=(torch.Tag.flexible_layout,))
 
 
@@ -191,14 +201,17 @@ def _kernel_may_take(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
 
 
-def decode_kernel_applies(input: torch.Tensor, weight: torch.Tensor,
-                          weight_scale: torch.Tensor | None = None) -> bool:
-    """Whether :func:`decode_linear` (with ``weight_scale``, :func:`~tpkit.ops.decode_linear_fp8`) would
-    multiply ``input`` by ``weight`` with its CUDA kernel: from the shapes, dtypes, devices and whether a
-    gradient is wanted (the binding may still decline unaligned rows). Models take their fused decode steps
-    where it does: elsewhere the fused ops' PyTorch expressions, run one operator at a time inside the op, are
-    slower than what ``torch.compile`` makes of the plain forward."""
-    return _kernel_may_take(input, weight, None, weight_scale)
+def decode_kernel_applies(input: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`decode_linear` (for a ``torch.float8_e4m3fn`` weight,
+    :func:`~tpkit.ops.decode_linear_fp8` with its per-row scales) would multiply ``input`` by ``weight``
+    with its CUDA kernel: from the shapes, dtypes, devices and whether a gradient is wanted (the binding may
+    still decline unaligned rows). Models take their fused decode steps where it does: elsewhere the fused
+    ops' PyTorch expressions, run one operator at a time inside the op, are slower than what
+    ``torch.compile`` makes of the plain forward."""
+    # A float8 weight's scales judged on a stand-in of their shape, dtype and device (nothing computed).
+    scales = (torch.empty((), dtype=torch.float32, device=weight.device).expand(weight.shape[0])
+              if weight.dtype == _FP8_WEIGHT and weight.dim() == 2 else None)
+    return _kernel_may_take(input, weight, None, scales)
 
 
 def decode_linear(input: torch.Tensor, weight: torch.Tensor,
@@ -311,7 +324,6 @@ def decode_qkv_rope_cache(input: torch.Tensor, weight: torch.Tensor, bias: torch
     slot_mapping = slot_mapping.reshape(num_rows)
     _check_row_sums("decode_qkv_rope_cache", "rms_sums", input, rms_sums)
     _check_weight_scale("decode_qkv_rope_cache", weight, weight_scale)
-    _check_caches("decode_qkv_rope_cache", key_cache, value_cache, input.dtype, "input", k_scale, v_scale)
     out = torch.ops.tpkit.decode_qkv_rope_cache(rows, weight, bias, cos, sin, key_cache, value_cache,
                                                 slot_mapping, num_heads, rms_sums, eps, weight_scale, k_scale,
                                                 v_scale)

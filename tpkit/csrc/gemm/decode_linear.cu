@@ -51,6 +51,9 @@ template <typename T, int kSplits>
 cudaError_t launch_splits(const tpkit_decode_linear_args* a, cudaStream_t stream) {
   using tpkit::LinearEpilogue;
   if (a->silu_and_mul) return launch_weight<T, kSplits, LinearEpilogue::kSiLUAndMul>(a, stream);
+  if (a->rotary_features > 0 && a->cache_fp8 != TPKIT_FP8_NONE) {
+    return launch_weight<T, kSplits, LinearEpilogue::kRotaryFp8Cache>(a, stream);
+  }
   if (a->rotary_features > 0) return launch_weight<T, kSplits, LinearEpilogue::kRotaryCache>(a, stream);
   if (a->residual != nullptr) return launch_weight<T, kSplits, LinearEpilogue::kResidualNorm>(a, stream);
   return launch_weight<T, kSplits, LinearEpilogue::kPlain>(a, stream);

@@ -45,8 +45,10 @@ __device__ __forceinline__ void multiply_step(float (&c)[4], const uint4* __rest
 }
 
 // What a block does with its sums (decode_linear.h): store them, combine gate and up (SwiGLU), rotate q
-// and k heads and write k and v to the cache as well, or add the residual and start the next RMSNorm.
-enum class LinearEpilogue { kPlain, kSiLUAndMul, kRotaryCache, kResidualNorm };
+// and k heads and write k and v to the cache as well (kRotaryFp8Cache: quantized into a float8 cache), or
+// add the residual and start the next RMSNorm. The float8 cache's write is an epilogue of its own so that
+// the 16-bit cache's kernels keep their registers.
+enum class LinearEpilogue { kPlain, kSiLUAndMul, kRotaryCache, kRotaryFp8Cache, kResidualNorm };
 
 // One block: kLinearRowGroups x kSplits warps; warp (group, split) multiplies 8 weight rows over the
 // split-th share of in_features with m16n8k16 products: the input as A (rows 0-7 and, with kUpperRows,
@@ -61,7 +63,8 @@ __global__ void __launch_bounds__(kLinearRowGroups * kSplits * 32,
     decode_linear_kernel(const tpkit_decode_linear_args a) {
   static_assert(kLinearRowGroups == 2, "two groups: gate and up, or a rotation's two halves");
   constexpr bool kSiLUAndMul = kEpilogue == LinearEpilogue::kSiLUAndMul;
-  constexpr bool kRotaryCache = kEpilogue == LinearEpilogue::kRotaryCache;
+  constexpr bool kFp8Cache = kEpilogue == LinearEpilogue::kRotaryFp8Cache;
+  constexpr bool kRotaryCache = kEpilogue == LinearEpilogue::kRotaryCache || kFp8Cache;
   constexpr bool kResidualNorm = kEpilogue == LinearEpilogue::kResidualNorm;
   using Traits = DTypeTraits<T>;
   __shared__ float partial[kLinearRowGroups][kSplits][16][8];  // [group][split][row m][feature n]
@@ -190,7 +193,7 @@ __global__ void __launch_bounds__(kLinearRowGroups * kSplits * 32,
       const int64_t index =
           is_key ? block * a.kc_stride_block + offset * a.kc_stride_token + head * a.kc_stride_head + d
                  : block * a.vc_stride_block + offset * a.vc_stride_token + head * a.vc_stride_head + d;
-      if (a.cache_fp8 == TPKIT_FP8_NONE) {
+      if constexpr (!kFp8Cache) {
         static_cast<T*>(cache)[index] = rounded;
       } else {
         // The rounded value, as the layers' forward hands it to the quantizing cache write.
