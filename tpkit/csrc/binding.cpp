@@ -528,7 +528,8 @@ bool decode_qkv_rope_cache(at::Tensor out, const at::Tensor& input, const at::Te
   tpkit_decode_linear_args a{};
   const char* op = "decode_qkv_rope_cache";
   if (!fill_decode_linear_args(a, out, input, weight, bias, 0, false, weight_scale.has_value()) ||
-      !fill_rms_scale(a, rms_sums, eps, input.device(), op) || !fill_weight_scale(a, weight_scale, input.device(), op)) {
+      !fill_rms_scale(a, rms_sums, eps, input.device(), op) ||
+      !fill_weight_scale(a, weight_scale, input.device(), op)) {
     return false;
   }
   const at::Device device = input.device();
