@@ -1,6 +1,8 @@
 """Float8 on a CUDA GPU: the quantizing cache write's kernel bit for bit against the PyTorch reference,
 attention over a float8 cache, the float8 tensor-core product of Fp8LinearMethod against the dequantized
-weight's, and all of them inside CUDA graphs. Skipped without a GPU."""
+weight's, the decode kernel's fused epilogues on float8 weights (and the qkv one's float8 cache write) against
+their PyTorch references, a float8 Llama's fused decode step, and all of them inside CUDA graphs. Skipped
+without a GPU."""
 
 from __future__ import annotations
 
@@ -10,8 +12,9 @@ import torch.nn.functional as F
 from cuda_graphs import capture
 
 from tpkit.attention import Attention, PagedKVCache, paged_attention
-from tpkit.models import LlamaForCausalLM
-from tpkit.ops import _extension, decode_linear_fp8
+from tpkit.models import LlamaForCausalLM, llama
+from tpkit.ops import _extension, decode_linear_fp8, decode_linear_silu_and_mul
+from tpkit.ops.linear import _qkv_rope_cache_reference, _residual_norm_reference, _silu_and_mul_reference
 from tpkit.ops.paged_attention_reference import paged_attention_reference, reshape_and_cache_reference
 from tpkit.parallel_layers import Fp8LinearMethod, MergedColumnParallelLinear, RowParallelLinear
 
@@ -165,3 +168,140 @@ def test_decode_kernel_reading_float8_weights(dtype, num_rows):
         graph, replayed = capture(lambda: decode_linear_fp8(x, weight, scale, bias))
         graph.replay()
         assert (replayed.float() - exact).abs().max() <= tolerance
+
+
+# Relative to the largest output: the float32 sum of exactly converted float8 weights, scaled once, against
+# the reference's product by the weight dequantized to the dtype.
+FUSED_TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+FUSED_ROWS = [1, 3, 8, 9, 16]
+FUSED_DTYPES = [torch.float16, torch.bfloat16]
+
+
+def _fp8_operands(num_rows: int, out_features: int, in_features: int, dtype: torch.dtype, seed: int) -> tuple:
+    """input [num_rows, in_features], a float8 weight [out_features, in_features], its per-row scales and a
+    bias, on the GPU; the scales keep the dequantized weight's products near 1."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_rows, in_features, generator=gen)
+    weight = (torch.randn(out_features, in_features, generator=gen) * 100).to(torch.float8_e4m3fn)
+    scale = (torch.rand(out_features, generator=gen) + 0.5) / (100 * in_features ** 0.5)
+    bias = torch.randn(out_features, generator=gen)
+    return x.to("cuda", dtype), weight.cuda(), scale.cuda(), bias.to("cuda", dtype)
+
+
+def _rms_sums(num_rows: int, in_features: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.rand(num_rows, generator=gen, dtype=torch.float64) + 0.5).cuda() * in_features
+
+
+def _assert_within(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    scale = ref.float().abs().max().item()
+    err = (out.float() - ref.float()).abs().max().item()
+    assert err <= FUSED_TOLERANCE[dtype] * scale, f"max error {err:.3g}, largest output {scale:.3g}"
+
+
+@pytest.mark.parametrize("dtype", FUSED_DTYPES, ids=str)
+@pytest.mark.parametrize("num_rows", FUSED_ROWS)
+@pytest.mark.parametrize("features,in_features", [(8, 32), (200, 352), (1032, 4128)])
+@pytest.mark.parametrize("norm", [False, True])
+def test_silu_and_mul_kernel_on_float8_weights(dtype, num_rows, features, in_features, norm):
+    x, weight, scale, bias = _fp8_operands(num_rows, 2 * features, in_features, dtype, seed=num_rows)
+    rms_sums = _rms_sums(num_rows, in_features, 1) if norm else None
+    out = torch.empty(num_rows, features, device="cuda", dtype=dtype)
+    assert _extension.decode_linear(out, x, weight, bias, 0, True, rms_sums, 1e-5, scale)
+    _assert_within(out, _silu_and_mul_reference(x, weight, bias, rms_sums, 1e-5, scale), dtype)
+    with torch.inference_mode():  # the wrapper, replayed from a CUDA graph
+        graph, replayed = capture(lambda: decode_linear_silu_and_mul(x, weight, bias, rms_sums, 1e-5, scale))
+        graph.replay()
+        assert torch.equal(replayed, out)
+
+
+@pytest.mark.parametrize("dtype", FUSED_DTYPES, ids=str)
+@pytest.mark.parametrize("num_rows", FUSED_ROWS)
+@pytest.mark.parametrize("out_features,in_features", [(8, 32), (200, 352), (1032, 4128)])
+def test_residual_norm_kernel_on_float8_weights(dtype, num_rows, out_features, in_features):
+    x, weight, scale, bias = _fp8_operands(num_rows, out_features, in_features, dtype, seed=num_rows + 20)
+    gen = torch.Generator().manual_seed(2)
+    residual = torch.randn(num_rows, out_features, generator=gen).to("cuda", dtype)
+    norm_weight = (torch.rand(out_features, generator=gen) + 0.5).to("cuda", dtype)
+    sums = [_rms_sums(num_rows, out_features, 3) for _ in range(2)]
+    zero_sums = [torch.rand(num_rows, device="cuda", dtype=torch.float64) for _ in range(2)]
+    out, normed = torch.empty_like(residual), torch.empty_like(residual)
+    assert _extension.decode_linear_residual_norm(out, normed, x, weight, bias, residual, norm_weight,
+                                                  sums[0], zero_sums[0], scale)
+    expected_out, expected_normed = _residual_norm_reference(x, weight, bias, residual, norm_weight, sums[1],
+                                                             zero_sums[1], scale)
+    _assert_within(out, expected_out, dtype)
+    _assert_within(normed, expected_normed, dtype)
+    torch.testing.assert_close(sums[0], sums[1], rtol=FUSED_TOLERANCE[dtype], atol=0)
+    assert not zero_sums[0].any()
+
+
+@pytest.mark.parametrize("dtype", FUSED_DTYPES, ids=str)
+@pytest.mark.parametrize("num_rows", FUSED_ROWS)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_size,in_features", [(8, 2, 128, 352), (6, 1, 80, 1056)])
+@pytest.mark.parametrize("cache", ["dtype", "e4m3", "e5m2-per-head"])
+def test_qkv_rope_cache_kernel_on_float8_weights_and_caches(dtype, num_rows, num_heads, num_kv_heads,
+                                                            head_size, in_features, cache):
+    """The product against the reference; each written slot holds, bit for bit, what reshape_and_cache's
+    reference stores for the kernel's own k and v rows; the other slots untouched."""
+    features = (num_heads + 2 * num_kv_heads) * head_size
+    x, weight, scale, bias = _fp8_operands(num_rows, features, in_features, dtype, seed=num_rows + 40)
+    gen = torch.Generator().manual_seed(5)
+    angles = torch.rand(num_rows, head_size // 2, generator=gen) * 6
+    cos, sin = angles.cos().to("cuda", dtype), angles.sin().to("cuda", dtype)
+    cache_dtype = {"dtype": dtype, "e4m3": torch.float8_e4m3fn, "e5m2-per-head": torch.float8_e5m2}[cache]
+    shape = (9, 16, num_kv_heads, head_size)
+    key_cache = (torch.randn(shape, generator=gen) * 4).to("cuda", cache_dtype)
+    value_cache = (torch.randn(shape, generator=gen) * 4).to("cuda", cache_dtype)
+    before = key_cache.clone(), value_cache.clone()
+    kv_scales = (None, None)
+    if cache != "dtype":
+        scale_shape = (num_kv_heads,) if cache.endswith("per-head") else ()
+        kv_scales = tuple((torch.rand(scale_shape, generator=gen) * 0.02 + 0.005).cuda() for _ in range(2))
+    slots = torch.randperm(9 * 16, generator=gen)[:num_rows].cuda()
+    slots[-1] = -1  # a padding row
+    out = torch.empty(num_rows, features, device="cuda", dtype=dtype)
+    assert _extension.decode_qkv_rope_cache(out, x, weight, bias, cos, sin, key_cache, value_cache, slots,
+                                            num_heads, None, 0.0, scale, *kv_scales)
+    reference_caches = [c.clone() for c in before]
+    expected = _qkv_rope_cache_reference(x, weight, bias, cos, sin, *reference_caches, slots, num_heads, None,
+                                         0.0, scale, *kv_scales)
+    _assert_within(out, expected, dtype)
+    rows = out.view(num_rows, -1, head_size)
+    own = [c.clone() for c in before]
+    k, v = rows[:, num_heads:num_heads + num_kv_heads], rows[:, num_heads + num_kv_heads:]
+    reshape_and_cache_reference(k, v, *own, slots, *kv_scales)
+    for got, wanted in zip((key_cache, value_cache), own, strict=True):
+        assert torch.equal(got.view(torch.uint8), wanted.view(torch.uint8))
+    written = torch.zeros(9 * 16, dtype=torch.bool)
+    written[slots[slots >= 0].cpu()] = True
+    untouched = ~written.view(9, 16).cuda()
+    for got, saved in zip((key_cache, value_cache), before, strict=True):
+        assert torch.equal(got[untouched].view(torch.uint8), saved[untouched].view(torch.uint8))
+
+
+@pytest.mark.parametrize("scheme", ["tensor", "channel"])
+@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn], ids=str)
+def test_fp8_llama_fused_decode_gives_the_layers_tokens(monkeypatch, scheme, cache_dtype):
+    """Greedy tokens of a float8 Llama (the decode product tpkit's models give float8 layers) with the fused
+    decode step and without it, eager and replayed from CUDA graphs."""
+    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 512,
+              "intermediate_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 8,
+              "num_key_value_heads": 2, "max_position_embeddings": 128, "rms_norm_eps": 1e-6}
+    torch.manual_seed(6)
+    model = LlamaForCausalLM(config, dtype=torch.bfloat16, device="cuda",
+                             quant_method=Fp8LinearMethod(scheme, decode_op=decode_linear_fp8)).eval()
+    model.kv_cache_dtype = cache_dtype
+    fused_steps = []
+    step = llama.fused_decode_step
+    monkeypatch.setattr(llama, "fused_decode_step", lambda *args: fused_steps.append(1) or step(*args))
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    tokens = {}
+    for fused in (False, None):
+        model.fused_decode = fused
+        for graphs in (False, True):
+            count = len(fused_steps)
+            tokens[fused, graphs] = model.generate(prompts, 8, ignore_eos=True, cuda_graph=graphs)
+            assert (len(fused_steps) > count) == (fused is None)
+    assert tokens[None, False] == tokens[False, False]
+    assert tokens[None, True] == tokens[False, True] == tokens[False, False]

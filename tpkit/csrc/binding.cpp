@@ -436,6 +436,17 @@ bool fill_rms_scale(tpkit_decode_linear_args& a, const std::optional<at::Tensor>
   return true;
 }
 
+// Float8 (E4M3) weights' per-row scales (decode_linear.h): weight_scale float32 [out_features]; none leaves a
+// weight of the dtype. False where the kernel does not take the tensor.
+bool fill_weight_scale(tpkit_decode_linear_args& a, const std::optional<at::Tensor>& weight_scale,
+                       const at::Device& device, const char* op) {
+  if (!weight_scale.has_value()) return true;
+  check_tensor(op, "weight_scale", *weight_scale, device, at::kFloat, {a.out_features});
+  if (!weight_scale->is_contiguous()) return false;
+  a.weight_scale = weight_scale->data_ptr<float>();
+  return true;
+}
+
 bool launch_decode_linear(const tpkit_decode_linear_args& a, const at::Tensor& input) {
   if (!tpkit_decode_linear_supported(&a)) return false;
   const c10::cuda::CUDAGuard guard(input.device());
@@ -446,13 +457,15 @@ bool launch_decode_linear(const tpkit_decode_linear_args& a, const at::Tensor& i
 // out = input @ weight^T (+ bias) with the decode linear kernel; false (nothing launched) where the kernel
 // does not take these tensors, for the caller to fall back. With silu_and_mul, out [num_rows,
 // out_features / 2] = silu(gate) * up of the product's two halves. With rms_sums, each row's product is
-// scaled first (fill_rms_scale).
+// scaled first (fill_rms_scale); with weight_scale, weight is float8 (fill_weight_scale).
 bool decode_linear(at::Tensor out, const at::Tensor& input, const at::Tensor& weight,
                    const std::optional<at::Tensor>& bias, int64_t splits, bool silu_and_mul,
-                   const std::optional<at::Tensor>& rms_sums, double eps) {
+                   const std::optional<at::Tensor>& rms_sums, double eps,
+                   const std::optional<at::Tensor>& weight_scale) {
   tpkit_decode_linear_args a{};
-  return fill_decode_linear_args(a, out, input, weight, bias, splits, silu_and_mul) &&
-         fill_rms_scale(a, rms_sums, eps, input.device(), "decode_linear") && launch_decode_linear(a, input);
+  return fill_decode_linear_args(a, out, input, weight, bias, splits, silu_and_mul, weight_scale.has_value()) &&
+         fill_rms_scale(a, rms_sums, eps, input.device(), "decode_linear") &&
+         fill_weight_scale(a, weight_scale, input.device(), "decode_linear") && launch_decode_linear(a, input);
 }
 
 // out = input @ (weight * weight_scale[:, None])^T (+ bias) with the decode linear kernel reading float8
@@ -461,25 +474,26 @@ bool decode_linear(at::Tensor out, const at::Tensor& input, const at::Tensor& we
 bool decode_linear_fp8(at::Tensor out, const at::Tensor& input, const at::Tensor& weight,
                        const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias, int64_t splits) {
   tpkit_decode_linear_args a{};
-  if (!fill_decode_linear_args(a, out, input, weight, bias, splits, false, true)) return false;
-  check_tensor("decode_linear_fp8", "weight_scale", weight_scale, input.device(), at::kFloat, {weight.size(0)});
-  if (!weight_scale.is_contiguous()) return false;
-  a.weight_scale = weight_scale.data_ptr<float>();
-  return launch_decode_linear(a, input);
+  return fill_decode_linear_args(a, out, input, weight, bias, splits, false, true) &&
+         fill_weight_scale(a, weight_scale, input.device(), "decode_linear_fp8") && launch_decode_linear(a, input);
 }
 
 // The producer's half of an RMSNorm split across two products (decode_linear.h): out = residual + input @
 // weight^T (+ bias), normed = out * norm_weight, sums[m] += the sum of out[m]^2 (sums zero before), zero_sums
 // set to zero; false where the kernel does not take these tensors. out, residual, normed [num_rows,
 // out_features]; norm_weight [out_features]; sums, zero_sums float64 [num_rows], two buffers (distinct: the op
-// checks that before the kernel runs).
+// checks that before the kernel runs); weight_scale as in decode_linear.
 bool decode_linear_residual_norm(at::Tensor out, at::Tensor normed, const at::Tensor& input, const at::Tensor& weight,
                                  const std::optional<at::Tensor>& bias, const at::Tensor& residual,
                                  const at::Tensor& norm_weight, at::Tensor sums,
-                                 const std::optional<at::Tensor>& zero_sums) {
+                                 const std::optional<at::Tensor>& zero_sums,
+                                 const std::optional<at::Tensor>& weight_scale) {
   tpkit_decode_linear_args a{};
-  if (!fill_decode_linear_args(a, out, input, weight, bias, 0, false)) return false;
   const char* op = "decode_linear_residual_norm";
+  if (!fill_decode_linear_args(a, out, input, weight, bias, 0, false, weight_scale.has_value()) ||
+      !fill_weight_scale(a, weight_scale, input.device(), op)) {
+    return false;
+  }
   const at::Device device = input.device();
   const at::ScalarType dtype = input.scalar_type();
   const int64_t num_rows = input.size(0), features = weight.size(0);
@@ -502,24 +516,39 @@ bool decode_linear_residual_norm(at::Tensor out, at::Tensor normed, const at::Te
 
 // A decode step's fused q, k, v projection (out [num_rows, (num_heads + 2 * num_kv_heads) * head_size]) with
 // RoPE on its q and k heads (cos, sin [num_rows, head_size / 2]) and its k and v heads also written to row
-// m's slot (slot_mapping[m]) of the caches [num_blocks, block_size, num_kv_heads, head_size]; false where the
-// kernel does not take these tensors.
+// m's slot (slot_mapping[m]) of the caches [num_blocks, block_size, num_kv_heads, head_size] (of the dtype, or
+// float8 quantized with k_scale and v_scale); weight_scale as in decode_linear; false where the kernel does not
+// take these tensors.
 bool decode_qkv_rope_cache(at::Tensor out, const at::Tensor& input, const at::Tensor& weight,
                            const std::optional<at::Tensor>& bias, const at::Tensor& cos, const at::Tensor& sin,
                            at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& slot_mapping,
-                           int64_t num_heads, const std::optional<at::Tensor>& rms_sums, double eps) {
+                           int64_t num_heads, const std::optional<at::Tensor>& rms_sums, double eps,
+                           const std::optional<at::Tensor>& weight_scale, const std::optional<at::Tensor>& k_scale,
+                           const std::optional<at::Tensor>& v_scale) {
   tpkit_decode_linear_args a{};
-  if (!fill_decode_linear_args(a, out, input, weight, bias, 0, false) ||
-      !fill_rms_scale(a, rms_sums, eps, input.device(), "decode_qkv_rope_cache")) {
+  const char* op = "decode_qkv_rope_cache";
+  if (!fill_decode_linear_args(a, out, input, weight, bias, 0, false, weight_scale.has_value()) ||
+      !fill_rms_scale(a, rms_sums, eps, input.device(), op) ||
+      !fill_weight_scale(a, weight_scale, input.device(), op)) {
     return false;
   }
-  const char* op = "decode_qkv_rope_cache";
   const at::Device device = input.device();
   const at::ScalarType dtype = input.scalar_type();
-  check_tensor(op, "key_cache", key_cache, device, dtype, {kAny, kAny, kAny, kAny});
-  check_tensor(op, "value_cache", value_cache, device, dtype, {key_cache.size(0), key_cache.size(1),
-                                                               key_cache.size(2), key_cache.size(3)});
+  const tpkit_fp8_format cache_fp8 = fp8_format(key_cache.scalar_type());
+  check_tensor(op, "key_cache", key_cache, device, cache_fp8 == TPKIT_FP8_NONE ? dtype : key_cache.scalar_type(),
+               {kAny, kAny, kAny, kAny});
+  check_tensor(op, "value_cache", value_cache, device, key_cache.scalar_type(),
+               {key_cache.size(0), key_cache.size(1), key_cache.size(2), key_cache.size(3)});
   const int64_t num_kv_heads = key_cache.size(2), head_size = key_cache.size(3);
+  // Held until the launch: the scales as the kernel reads them (kv_scales may expand one).
+  std::pair<at::Tensor, at::Tensor> scales;
+  if (cache_fp8 != TPKIT_FP8_NONE) {
+    scales = kv_scales(op, k_scale, v_scale, device, num_kv_heads);
+    a.cache_fp8 = cache_fp8;
+    a.k_scale = scales.first.data_ptr<float>();
+    a.v_scale = scales.second.data_ptr<float>();
+    a.scale_per_head = scales.first.numel() == num_kv_heads && num_kv_heads > 1;
+  }
   const int64_t features = (num_heads + 2 * num_kv_heads) * head_size;
   TPKIT_CHECK_VALUE(num_heads > 0 && weight.size(0) == features,
                     "decode_qkv_rope_cache (CUDA): weight: expected [(num_heads + 2 * num_kv_heads) * head_size = ",
@@ -638,7 +667,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_linear", &decode_linear,
         "out = input @ weight.T (+ bias) for up to 16 rows; False where the kernel does not take these tensors.",
         py::arg("out"), py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("splits"),
-        py::arg("silu_and_mul") = false, py::arg("rms_sums") = py::none(), py::arg("eps") = 0.0);
+        py::arg("silu_and_mul") = false, py::arg("rms_sums") = py::none(), py::arg("eps") = 0.0,
+        py::arg("weight_scale") = py::none());
   m.def("decode_linear_fp8", &decode_linear_fp8,
         "out = input @ (weight * weight_scale[:, None]).T (+ bias) for up to 16 rows of float8 weights; False "
         "where the kernel does not take these tensors.",
@@ -648,13 +678,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "out = residual + input @ weight.T (+ bias) for up to 16 rows, normed = out * norm_weight, sums += the "
         "rows' sums of squares, zero_sums zeroed; False where the kernel does not take these tensors.",
         py::arg("out"), py::arg("normed"), py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("residual"),
-        py::arg("norm_weight"), py::arg("sums"), py::arg("zero_sums"));
+        py::arg("norm_weight"), py::arg("sums"), py::arg("zero_sums"), py::arg("weight_scale") = py::none());
   m.def("decode_qkv_rope_cache", &decode_qkv_rope_cache,
         "The fused q, k, v product of up to 16 rows with RoPE on q and k and k, v written to the caches; False "
         "where the kernel does not take these tensors.",
         py::arg("out"), py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("cos"), py::arg("sin"),
         py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"), py::arg("num_heads"),
-        py::arg("rms_sums") = py::none(), py::arg("eps") = 0.0);
+        py::arg("rms_sums") = py::none(), py::arg("eps") = 0.0, py::arg("weight_scale") = py::none(),
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
   m.def("rotary", &rotary,
         "RoPE of input [num_tokens, num_heads, head_size] by cos, sin [num_tokens, head_size / 2] into out; False "
         "where the kernel does not take these tensors.",

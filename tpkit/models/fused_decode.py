@@ -14,6 +14,17 @@ every kernel between two products costs a launch for a few KB. Here the decode k
   gate_up_proj finish it (``rms_sums``). A layer is then its four products and attention: five kernels.
   Across ranks the residual add follows o_proj's and down_proj's all-reduce, so the norms stay modules.
 
+Float8 takes the same step, in the same kernels:
+
+- float8 weights (``Fp8LinearMethod``) with per-tensor or per-channel scales: each product reads the float8
+  weight and its scales, one a row (``Fp8LinearMethod.row_scales``), as the layers' own decode product
+  (``decode_op``, :func:`tpkit.ops.decode_linear_fp8`) does, the activations unquantized (a static
+  ``input_scale`` is not used by that product either). A method without that ``decode_op`` quantizes the
+  activations of a CUDA step (float8 tensor cores), and block scales vary along ``in_features``, which the
+  kernel's per-feature scale cannot take: those layers decode through their forward;
+- a float8 KV cache: qkv_proj's kernel quantizes k and v with the layer's ``k_scale`` and ``v_scale`` as
+  :func:`tpkit.ops.reshape_and_cache` does, bit for bit.
+
 ``LlamaForCausalLM.fused_decode`` chooses: None (the default) takes this step where tpkit's decode kernel
 takes the step's products (:func:`tpkit.ops.decode_kernel_applies`); True at every decode step without
 gradients (the fused ops' PyTorch expressions where the kernels do not run, as on the CPU); False never.
@@ -34,12 +45,16 @@ from tpkit.attention import AttentionMetadata, PagedKVCache
 from tpkit.ops import (
     apply_rms_sums,
     decode_kernel_applies,
+    decode_linear_fp8,
     decode_linear_residual_norm,
     decode_linear_silu_and_mul,
     decode_qkv_rope_cache,
 )
+from tpkit.parallel_layers import Fp8LinearMethod
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from tpkit.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 
 
@@ -50,19 +65,34 @@ def fused_decode_applies(model: LlamaForCausalLM, x: torch.Tensor, kv_cache: Pag
     ``model.fused_decode`` says."""
     if model.fused_decode is False or kv_cache is None or metadata is None or metadata.is_prefill:
         return False
-    # The fused cache write stores the model's dtype; a float8 cache is written by the quantizing
-    # reshape_and_cache of the layers' forward.
-    if kv_cache.is_fp8:
-        return False
-    # The fused products multiply by the layers' weights as they are: quantized layers multiply through
-    # their method.
-    if model.layers[0].self_attn.qkv_proj.quant_method is not None:
+    qkv_proj = model.layers[0].self_attn.qkv_proj
+    if not _quantization_fuses(qkv_proj, x):
         return False
     if torch.is_grad_enabled() or model.sequence_parallel or model.layers[0].mlp.act is not F.silu:
         return False
     if model.layers[0].self_attn.q_norm is not None:  # q/k norms come before RoPE, in the qkv epilogue's way
         return False
-    return model.fused_decode or decode_kernel_applies(x, model.layers[0].self_attn.qkv_proj.weight)
+    return model.fused_decode or decode_kernel_applies(x, qkv_proj.weight)
+
+
+def _quantization_fuses(layer: nn.Module, x: torch.Tensor) -> bool:
+    """Whether the fused products compute what ``layer``'s quantization method (every decoder layer's)
+    computes at a decode step of ``x``: none; or float8 weights with one scale a row, multiplied by the
+    decode kernel with the activations unquantized (the method's ``decode_op`` on a GPU; the dequantized
+    weight elsewhere)."""
+    method = layer.quant_method
+    if method is None:
+        return True
+    if not isinstance(method, Fp8LinearMethod) or method.weight_scheme == "block":
+        return False
+    return method.decode_op is decode_linear_fp8 or not x.is_cuda
+
+
+def _weight(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(weight, weight_scale)`` as the fused ops take them: a weight of the model's dtype and None, or a
+    float8 weight and its float32 per-row scales ``[out_per_partition]``."""
+    method = layer.quant_method
+    return layer.weight, None if method is None else method.row_scales(layer)
 
 
 def fused_decode_step(model: LlamaForCausalLM, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -92,7 +122,9 @@ def _layer(layer: LlamaDecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: to
     x = x + layer.self_attn.o_proj(_attention(layer.self_attn, layer.input_layernorm(x), cos, sin, kv_cache,
                                               metadata))
     gate_up, down = layer.mlp.gate_up_proj, layer.mlp.down_proj
-    hidden = decode_linear_silu_and_mul(layer.post_attention_layernorm(x), gate_up.weight, gate_up.bias)
+    weight, weight_scale = _weight(gate_up)
+    hidden = decode_linear_silu_and_mul(layer.post_attention_layernorm(x), weight, gate_up.bias,
+                                        weight_scale=weight_scale)
     return x + down(hidden)  # via [batch, 1, intermediate_size / tp_size]
 
 
@@ -111,11 +143,14 @@ def _layer_norms_in_products(layer: LlamaDecoderLayer, x: torch.Tensor, normed: 
     post_norm = layer.post_attention_layernorm
     out = _attention(layer.self_attn, normed, cos, sin, kv_cache, metadata, input_sums,
                      layer.input_layernorm.eps)
-    x, normed = decode_linear_residual_norm(out, o_proj.weight, o_proj.bias, x, post_norm.weight, post_sums,
-                                            input_sums)
-    hidden = decode_linear_silu_and_mul(normed, gate_up.weight, gate_up.bias, post_sums, post_norm.eps)
-    return decode_linear_residual_norm(hidden, down.weight, down.bias, x, next_norm_weight, input_sums,
-                                       post_sums)
+    (o_weight, o_scale), (gate_up_weight, gate_up_scale), (down_weight, down_scale) = (
+        _weight(o_proj), _weight(gate_up), _weight(down))
+    x, normed = decode_linear_residual_norm(out, o_weight, o_proj.bias, x, post_norm.weight, post_sums,
+                                            input_sums, o_scale)
+    hidden = decode_linear_silu_and_mul(normed, gate_up_weight, gate_up.bias, post_sums, post_norm.eps,
+                                        gate_up_scale)
+    return decode_linear_residual_norm(hidden, down_weight, down.bias, x, next_norm_weight, input_sums,
+                                       post_sums, down_scale)
 
 
 def _attention(attn: LlamaAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -126,8 +161,10 @@ def _attention(attn: LlamaAttention, x: torch.Tensor, cos: torch.Tensor, sin: to
     attention reads them from there. With ``rms_sums``, ``x`` is the first half of the input norm and the
     product does the second."""
     caches = kv_cache.key_caches[attn.layer_idx], kv_cache.value_caches[attn.layer_idx]
+    k_scale, v_scale = kv_cache.scales(attn.layer_idx)  # a float8 cache's; None otherwise
+    weight, weight_scale = _weight(attn.qkv_proj)
     # [batch, 1, q_size + 2 * kv_size]
-    qkv = decode_qkv_rope_cache(x, attn.qkv_proj.weight, attn.qkv_proj.bias, cos, sin, *caches,
-                                metadata.slot_mapping, attn.num_heads, rms_sums, eps)
+    qkv = decode_qkv_rope_cache(x, weight, attn.qkv_proj.bias, cos, sin, *caches, metadata.slot_mapping,
+                                attn.num_heads, rms_sums, eps, weight_scale, k_scale, v_scale)
     return attn.attn(qkv[..., : attn.q_size], None, None, kv_cache=kv_cache, layer_idx=attn.layer_idx,
                      metadata=metadata)

@@ -255,6 +255,7 @@ def decode_linear(
     silu_and_mul: bool = False,
     rms_sums: torch.Tensor | None = None,
     eps: float = 0.0,
+    weight_scale: torch.Tensor | None = None,
 ) -> bool:
     """``out = input @ weight.T (+ bias)`` with the decode linear kernel; False where no kernel is available
     here or the kernel does not take these tensors (float16 or bfloat16, at most 16 rows, ``in_features`` a
@@ -266,11 +267,13 @@ def decode_linear(
     projection's, and out ``[num_rows, out_features / 2]`` gets ``silu(gate) * up``. ``rms_sums`` (float64
     ``[num_rows]``, or None): the second half of an RMSNorm split across two products, each row's product
     multiplied by ``rsqrt(rms_sums[m] / in_features + eps)`` before the bias (see
-    :func:`decode_linear_residual_norm`). No host synchronisation: safe in CUDA graphs.
+    :func:`decode_linear_residual_norm`). ``weight_scale`` (float32 ``[out_features]``, or None): weight is
+    float8 E4M3, each row's product multiplied by its scale (as :func:`decode_linear_fp8`). No host
+    synchronisation: safe in CUDA graphs.
     """
     module = _module_for(input.device)
     return module is not None and module.decode_linear(out, input, weight, bias, splits, silu_and_mul,
-                                                       rms_sums, eps)
+                                                       rms_sums, eps, weight_scale)
 
 
 def decode_linear_fp8(
@@ -297,6 +300,7 @@ def decode_linear_residual_norm(
     norm_weight: torch.Tensor,
     sums: torch.Tensor,
     zero_sums: torch.Tensor | None,
+    weight_scale: torch.Tensor | None = None,
 ) -> bool:
     """:func:`decode_linear` plus a residual and the first half of an RMSNorm of the result, in the kernel's
     epilogue: ``out = residual + input @ weight.T (+ bias)`` (the product rounded to the dtype first),
@@ -308,10 +312,12 @@ def decode_linear_residual_norm(
     float64 ``[num_rows]``, two distinct buffers (zero_sums may be None; the op checks that they are two,
     the kernel does not). A consumer product with
     ``rms_sums=sums`` then computes ``rms_norm(out) @ W.T`` without a norm kernel between the two.
+    ``weight_scale`` as in :func:`decode_linear`.
     """
     module = _module_for(input.device)
     return module is not None and module.decode_linear_residual_norm(out, normed, input, weight, bias,
-                                                                     residual, norm_weight, sums, zero_sums)
+                                                                     residual, norm_weight, sums, zero_sums,
+                                                                     weight_scale)
 
 
 def decode_qkv_rope_cache(
@@ -327,6 +333,9 @@ def decode_qkv_rope_cache(
     num_heads: int,
     rms_sums: torch.Tensor | None = None,
     eps: float = 0.0,
+    weight_scale: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> bool:
     """:func:`decode_linear` of a fused q, k, v projection with RoPE on its q and k heads and its k and v
     heads written to the caches, in the kernel's epilogue; False where no kernel is available here or the
@@ -334,13 +343,14 @@ def decode_qkv_rope_cache(
 
     out ``[num_rows, (num_heads + 2 * num_kv_heads) * head_size]``; cos, sin ``[num_rows, head_size / 2]``;
     caches ``[num_blocks, block_size, num_kv_heads, head_size]`` (written in place at ``slot_mapping``, int64
-    ``[num_rows]``; a negative slot or one past the cache is skipped); ``rms_sums``, ``eps`` as in
-    :func:`decode_linear`.
+    ``[num_rows]``; a negative slot or one past the cache is skipped; a float8 cache stores
+    ``saturate(x / scale)`` with ``k_scale`` and ``v_scale``, float32 ``[]`` or ``[num_kv_heads]``, as
+    :func:`reshape_and_cache` does); ``rms_sums``, ``eps`` and ``weight_scale`` as in :func:`decode_linear`.
     """
     module = _module_for(input.device)
     return module is not None and module.decode_qkv_rope_cache(out, input, weight, bias, cos, sin, key_cache,
                                                                value_cache, slot_mapping, num_heads, rms_sums,
-                                                               eps)
+                                                               eps, weight_scale, k_scale, v_scale)
 
 
 def rotary(out: torch.Tensor, input: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:

@@ -12,13 +12,13 @@ import torch
 import torch.nn.functional as F
 
 from tpkit.ops._library import _define_op
-from tpkit.ops.linear import _kernel_may_take
+from tpkit.ops.linear import _dequantized, _kernel_may_take
 
 
 def _decode_linear_fp8_reference(input: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                                  bias: torch.Tensor | None) -> torch.Tensor:
     # [num_rows, in_features] @ ([out_features, in_features] * [out_features, 1]).T
-    return F.linear(input, (weight.float() * weight_scale[:, None]).to(input.dtype), bias)
+    return F.linear(input, _dequantized(weight, weight_scale, input.dtype), bias)
 
 
 # input [num_rows, in_features], weight float8 [out_features, in_features], weight_scale float32
@@ -43,13 +43,7 @@ def decode_linear_fp8(input: torch.Tensor, weight: torch.Tensor, weight_scale: t
         ``[..., out_features]`` in input's dtype, where the kernel runs: a CUDA tensor of at most 16 rows,
         ``in_features`` a multiple of 32 and ``out_features`` of 8, no gradient wanted.
     """
-    if weight.dtype != torch.float8_e4m3fn or weight_scale.dtype != torch.float32:
-        return None
-    if weight_scale.shape != (weight.shape[0],) or weight_scale.device != input.device:
-        return None
-    # The shape, device and gradient rules of the 16-bit kernel, judged on a stand-in of input's dtype.
-    stand_in = torch.empty((), dtype=input.dtype, device=weight.device).expand(weight.shape)
-    if not _kernel_may_take(input, stand_in, bias):
+    if not _kernel_may_take(input, weight, bias, weight_scale):
         return None
     rows = input.reshape(-1, input.shape[-1])  # [num_rows, in_features], at most 16 of them
     return torch.ops.tpkit.decode_linear_fp8(rows, weight, weight_scale, bias).view(*input.shape[:-1],

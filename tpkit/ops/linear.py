@@ -29,10 +29,33 @@ from tpkit.ops._checks import _HALF_DTYPES, _check_row_sums
 from tpkit.ops._library import _define_op
 from tpkit.ops.activation import silu_and_mul
 from tpkit.ops.norm import apply_rms_sums
-from tpkit.ops.paged_attention import reshape_and_cache
+from tpkit.ops.paged_attention import _check_caches, reshape_and_cache
 from tpkit.ops.rotary import apply_rotary
 
 _MAX_ROWS = 16  # TPKIT_DECODE_LINEAR_MAX_ROWS of csrc/gemm/decode_linear.h
+_FP8_WEIGHT = torch.float8_e4m3fn  # the float8 weights the kernel reads
+
+
+def _dequantized(weight: torch.Tensor, weight_scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The weight the product multiplies by: ``weight`` itself, or a float8 weight ``[out_features,
+    in_features]`` times its per-row ``weight_scale`` ``[out_features]``, in float32, rounded to ``dtype``
+    (as ``Fp8LinearMethod`` dequantizes)."""
+    return weight if weight_scale is None else (weight.float() * weight_scale[:, None]).to(dtype)
+
+
+def _check_weight_scale(op: str, weight: torch.Tensor, weight_scale: torch.Tensor | None) -> None:
+    """With ``weight_scale``: a float8 E4M3 weight and float32 scales, one a row on the weight's device."""
+    if weight_scale is None:
+        return
+    if weight.dtype != _FP8_WEIGHT:
+        raise TypeError(f"{op}: weight: expected {_FP8_WEIGHT} with a weight_scale, got {weight.dtype}")
+    expected = (weight.shape[0],)
+    if weight_scale.dtype != torch.float32 or weight_scale.shape != expected:
+        raise ValueError(f"{op}: weight_scale: expected float32 {list(expected)} (one scale a weight row), "
+                         f"got {weight_scale.dtype} {list(weight_scale.shape)}")
+    if weight_scale.device != weight.device:
+        raise ValueError(f"{op}: weight_scale: expected a tensor on {weight.device} (that of weight), got "
+                         f"{weight_scale.device}")
 
 
 # --- the ops: input [num_rows, in_features], weight [out_features, in_features], bias [out_features] or None
@@ -47,53 +70,76 @@ def _decode_linear_reference(input: torch.Tensor, weight: torch.Tensor,
     return F.linear(input, weight, bias)
 
 
+# Each fused op below takes a weight of input's dtype, or a float8 E4M3 weight with its float32 per-row
+# weight_scale [out_features]: the reference multiplies by the weight dequantized to input's dtype, the kernel
+# converts the float8 values exactly and scales each feature's sum.
+
+
 _define_op("decode_linear", "(Tensor input, Tensor weight, Tensor? bias) -> Tensor", (), None,
            _decode_linear_reference, outputs=lambda input, weight, *args: _product(input, weight))
 
 
 def _silu_and_mul_reference(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                            rms_sums: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+                            rms_sums: torch.Tensor | None = None, eps: float = 0.0,
+                            weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    weight = _dequantized(weight, weight_scale, input.dtype)
     return silu_and_mul(F.linear(apply_rms_sums(input, rms_sums, eps), weight, bias)).contiguous()
 
 
 # -> [num_rows, out_features / 2]: silu(gate) * up of the product's halves, the product of row m first
 # scaled by the norm of rms_sums[m]
 _define_op("decode_linear_silu_and_mul",
-           "(Tensor input, Tensor weight, Tensor? bias, Tensor? rms_sums=None, float eps=0.) -> Tensor", (),
-           None, _silu_and_mul_reference,
-           kernel=lambda out, input, weight, bias, rms_sums=None, eps=0.0: _extension.decode_linear(
-               out, input, weight, bias, 0, True, rms_sums, eps),
+           "(Tensor input, Tensor weight, Tensor? bias, Tensor? rms_sums=None, float eps=0., "
+           "Tensor? weight_scale=None) -> Tensor", (), None, _silu_and_mul_reference,
+           kernel=lambda out, input, weight, bias, rms_sums=None, eps=0.0, weight_scale=None:
+           _extension.decode_linear(out, input, weight, bias, 0, True, rms_sums, eps, weight_scale),
            outputs=lambda input, weight, *args: (input.new_empty(input.shape[0], weight.shape[0] // 2),))
 
 
 def _qkv_rope_cache_reference(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                               cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,
                               value_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int,
-                              rms_sums: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+                              rms_sums: torch.Tensor | None = None, eps: float = 0.0,
+                              weight_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                              v_scale: torch.Tensor | None = None) -> torch.Tensor:
     num_kv_heads, head_size = key_cache.shape[2], key_cache.shape[3]
+    weight = _dequantized(weight, weight_scale, input.dtype)
     # [num_rows, heads, head_size]; the rotation's cos, sin [num_rows, 1, head_size / 2]
     qkv = F.linear(apply_rms_sums(input, rms_sums, eps), weight, bias).view(input.shape[0], -1, head_size)
     qk = apply_rotary(qkv[None, :, : num_heads + num_kv_heads], cos[None, :, None], sin[None, :, None])[0]
     k, v = qk[:, num_heads:], qkv[:, num_heads + num_kv_heads:]
-    reshape_and_cache(k, v, key_cache, value_cache, slot_mapping)
+    reshape_and_cache(k, v, key_cache, value_cache, slot_mapping, k_scale, v_scale)
     return torch.cat((qk, v), dim=1).flatten(1)
 
 
-# cos, sin [num_rows, head_size / 2], caches [num_blocks, block_size, num_kv_heads, head_size] (written),
-# slot_mapping [num_rows] -> qkv [num_rows, (num_heads + 2 * num_kv_heads) * head_size]. flexible_layout:
+# cos, sin [num_rows, head_size / 2], caches [num_blocks, block_size, num_kv_heads, head_size] (written; of
+# input's dtype, or float8 with k_scale and v_scale [] or [num_kv_heads]), slot_mapping [num_rows] -> qkv
+# [num_rows, (num_heads + 2 * num_kv_heads) * head_size]. flexible_layout:
 # inductor hands the op its inputs as it laid them out (the binding takes contiguous cos and sin, as inductor
 # makes them, and declines anything else), rather than copying the step's cos and sin into buffers of their
 # own for every layer's call.
+def _check_qkv_caches(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
+                      sin: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor, num_heads: int, rms_sums: torch.Tensor | None = None,
+                      eps: float = 0.0, weight_scale: torch.Tensor | None = None,
+                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, *,
+                      read_values: bool = False) -> None:
+    # In the op: the scales' values are read (on the CPU) where the tensors hold them, never while tracing.
+    _check_caches("decode_qkv_rope_cache", key_cache, value_cache, input.dtype, "input", k_scale, v_scale)
+
+
 _define_op("decode_qkv_rope_cache",
            "(Tensor input, Tensor weight, Tensor? bias, Tensor cos, Tensor sin, Tensor(a!) key_cache, "
            "Tensor(b!) value_cache, Tensor slot_mapping, SymInt num_heads, Tensor? rms_sums=None, "
-           "float eps=0.) -> Tensor", ("key_cache", "value_cache"), None, _qkv_rope_cache_reference,
+           "float eps=0., Tensor? weight_scale=None, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor",
+           ("key_cache", "value_cache"), _check_qkv_caches, _qkv_rope_cache_reference,
            outputs=lambda input, weight, *args: _product(input, weight), tags=(torch.Tag.flexible_layout,))
 
 
 def _check_two_buffers(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                        residual: torch.Tensor, norm_weight: torch.Tensor, sums: torch.Tensor,
-                       zero_sums: torch.Tensor, *, read_values: bool = False) -> None:
+                       zero_sums: torch.Tensor, weight_scale: torch.Tensor | None = None, *,
+                       read_values: bool = False) -> None:
     # In the op, not in its wrapper: torch.compile cannot trace a comparison of data pointers (a graph break
     # in every layer, then a recompilation per layer until its limit), and runs an op's body as it is.
     if sums.data_ptr() == zero_sums.data_ptr():
@@ -102,8 +148,9 @@ def _check_two_buffers(input: torch.Tensor, weight: torch.Tensor, bias: torch.Te
 
 def _residual_norm_reference(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                              residual: torch.Tensor, norm_weight: torch.Tensor, sums: torch.Tensor,
-                             zero_sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    out = torch.add(residual, F.linear(input, weight, bias))
+                             zero_sums: torch.Tensor,
+                             weight_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.add(residual, F.linear(input, _dequantized(weight, weight_scale, input.dtype), bias))
     normed = torch.mul(out, norm_weight)
     sums.add_(out.float().square().sum(-1, dtype=torch.float64))
     zero_sums.zero_()
@@ -114,7 +161,8 @@ def _residual_norm_reference(input: torch.Tensor, weight: torch.Tensor, bias: to
 # (written) -> out, normed [num_rows, out_features]
 _define_op("decode_linear_residual_norm",
            "(Tensor input, Tensor weight, Tensor? bias, Tensor residual, Tensor norm_weight, "
-           "Tensor(a!) sums, Tensor(b!) zero_sums) -> (Tensor, Tensor)", ("sums", "zero_sums"),
+           "Tensor(a!) sums, Tensor(b!) zero_sums, Tensor? weight_scale=None) -> (Tensor, Tensor)",
+           ("sums", "zero_sums"),
            _check_two_buffers, _residual_norm_reference, check_fake=False,
            outputs=lambda input, weight, *args: (*_product(input, weight), *_product(input, weight)))
 
@@ -129,11 +177,18 @@ def _decode_linear_flops(input_shape: torch.Size, weight_shape: torch.Size, *arg
 
 # --- the wrappers: any leading dimensions, the kernel where it applies ------------------------------------
 
-def _kernel_may_take(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """What the shapes, dtypes and devices decide; the kernel's binding checks strides and alignment."""
+def _kernel_may_take(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     weight_scale: torch.Tensor | None = None) -> bool:
+    """What the shapes, dtypes and devices decide; the kernel's binding checks strides and alignment. The
+    weight is of input's dtype, or float8 E4M3 with a float32 ``weight_scale`` ``[out_features]``."""
     if not (input.is_cuda and input.dtype in _HALF_DTYPES and weight.dim() == 2 and input.dim() >= 1):
         return False
-    if weight.dtype != input.dtype or weight.device != input.device:
+    weight_dtype = input.dtype if weight_scale is None else _FP8_WEIGHT
+    if weight.dtype != weight_dtype or weight.device != input.device:
+        return False
+    if weight_scale is not None and (weight_scale.dtype != torch.float32 or weight_scale.dim() != 1
+                                     or weight_scale.shape[0] != weight.shape[0]
+                                     or weight_scale.device != input.device):
         return False
     if bias is not None and (bias.dtype != input.dtype or bias.device != input.device):
         return False
@@ -147,11 +202,16 @@ def _kernel_may_take(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 
 def decode_kernel_applies(input: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether :func:`decode_linear` would multiply ``input`` by ``weight`` with its CUDA kernel: from the
-    shapes, dtypes, devices and whether a gradient is wanted (the binding may still decline unaligned rows).
-    Models take their fused decode steps where it does: elsewhere the fused ops' PyTorch expressions, run one
-    operator at a time inside the op, are slower than what ``torch.compile`` makes of the plain forward."""
-    return _kernel_may_take(input, weight, None)
+    """Whether :func:`decode_linear` (for a ``torch.float8_e4m3fn`` weight,
+    :func:`~tpkit.ops.decode_linear_fp8` with its per-row scales) would multiply ``input`` by ``weight``
+    with its CUDA kernel: from the shapes, dtypes, devices and whether a gradient is wanted (the binding may
+    still decline unaligned rows). Models take their fused decode steps where it does: elsewhere the fused
+    ops' PyTorch expressions, run one operator at a time inside the op, are slower than what
+    ``torch.compile`` makes of the plain forward."""
+    # A float8 weight's scales judged on a stand-in of their shape, dtype and device (nothing computed).
+    scales = (torch.empty((), dtype=torch.float32, device=weight.device).expand(weight.shape[0])
+              if weight.dtype == _FP8_WEIGHT and weight.dim() == 2 else None)
+    return _kernel_may_take(input, weight, None, scales)
 
 
 def decode_linear(input: torch.Tensor, weight: torch.Tensor,
@@ -176,7 +236,8 @@ def decode_linear(input: torch.Tensor, weight: torch.Tensor,
 
 
 def decode_linear_silu_and_mul(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                               rms_sums: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+                               rms_sums: torch.Tensor | None = None, eps: float = 0.0,
+                               weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """SwiGLU's first half: ``silu(gate) * up`` where
     ``gate, up = F.linear(input, weight, bias).chunk(2, -1)``, with SwiGLU in the decode kernel's epilogue
     where it applies (no kernel of its own, no ``[..., 2 * features]`` intermediate in memory).
@@ -191,6 +252,10 @@ def decode_linear_silu_and_mul(input: torch.Tensor, weight: torch.Tensor, bias: 
             ``rms_sums`` = the rows' sums of ``x ** 2``) :func:`decode_linear_residual_norm` computed; the
             product of row m is multiplied by ``rsqrt(rms_sums[m] / in_features + eps)`` before the bias.
         eps: the RMSNorm's epsilon.
+        weight_scale: float32 ``[2 * features]`` or None: ``weight`` is ``torch.float8_e4m3fn`` and the
+            product multiplies by ``(weight.float() * weight_scale[:, None]).to(input.dtype)``; the kernel
+            converts the float8 values exactly and scales each feature's float32 sum (per-tensor or
+            per-channel scales as one a row: ``Fp8LinearMethod.row_scales``).
 
     Returns:
         ``[..., features]``. Where :func:`decode_linear` would run the kernel and ``features`` is a
@@ -203,21 +268,25 @@ def decode_linear_silu_and_mul(input: torch.Tensor, weight: torch.Tensor, bias: 
         raise ValueError(f"decode_linear_silu_and_mul: weight: expected [2 * features, in_features] (gate "
                          f"rows, then up rows), got {tuple(weight.shape)}")
     _check_row_sums("decode_linear_silu_and_mul", "rms_sums", input, rms_sums)
-    if not _kernel_may_take(input, weight, bias) or weight.shape[0] % 16 != 0:
+    _check_weight_scale("decode_linear_silu_and_mul", weight, weight_scale)
+    if not _kernel_may_take(input, weight, bias, weight_scale) or weight.shape[0] % 16 != 0:
+        weight = _dequantized(weight, weight_scale, input.dtype)
         return silu_and_mul(F.linear(apply_rms_sums(input, rms_sums, eps), weight, bias))
     rows = input.reshape(-1, input.shape[-1])  # [num_rows, in_features]
-    out = torch.ops.tpkit.decode_linear_silu_and_mul(rows, weight, bias, rms_sums, eps)
+    out = torch.ops.tpkit.decode_linear_silu_and_mul(rows, weight, bias, rms_sums, eps, weight_scale)
     return out.view(*input.shape[:-1], weight.shape[0] // 2)
 
 
 def decode_qkv_rope_cache(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                           cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,
                           value_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int,
-                          rms_sums: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+                          rms_sums: torch.Tensor | None = None, eps: float = 0.0,
+                          weight_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                          v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """A decode step's fused q, k, v projection, RoPE and cache write in one: ``qkv = F.linear(input,
     weight, bias)``, its q and k heads rotated by :func:`~tpkit.ops.apply_rotary`, its k and v heads written
-    to the caches at ``slot_mapping`` (as :func:`~tpkit.ops.reshape_and_cache`), all in the decode kernel's
-    epilogue where it applies (two kernels fewer a layer).
+    to the caches at ``slot_mapping`` (as :func:`~tpkit.ops.reshape_and_cache`, quantizing into a float8
+    cache), all in the decode kernel's epilogue where it applies (two kernels fewer a layer).
 
     Args:
         input: ``[..., in_features]``, one row per token.
@@ -225,10 +294,16 @@ def decode_qkv_rope_cache(input: torch.Tensor, weight: torch.Tensor, bias: torch
             (a ``QKVParallelLinear``'s, on any rank); bias its ``[out_features]`` or None.
         cos, sin: ``[..., head_size / 2]`` (or with a singleton head dimension, ``[..., 1, head_size / 2]``),
             the rotation of each row's position, input's dtype.
-        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``, written in place.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``, written in place;
+            input's dtype, or a float8 dtype with ``k_scale`` and ``v_scale``.
         slot_mapping: int64, one slot per row (negative: not written).
         num_heads: q heads in ``weight``.
         rms_sums, eps: as in :func:`decode_linear_silu_and_mul` (the input an RMSNorm's first half).
+        weight_scale: as in :func:`decode_linear_silu_and_mul`, ``[(num_heads + 2 * num_kv_heads) *
+            head_size]``.
+        k_scale, v_scale: a float8 cache's float32 scales, ``[]`` or ``[num_kv_heads]`` (None for a cache of
+            input's dtype): k and v are stored as :func:`~tpkit.ops.reshape_and_cache` stores the rotated k
+            and the projected v, ``saturate(x / scale)`` of the values the output holds, bit for bit.
 
     Returns:
         ``[..., (num_heads + 2 * num_kv_heads) * head_size]``: q and k rotated, v as projected. The kernel
@@ -248,14 +323,17 @@ def decode_qkv_rope_cache(input: torch.Tensor, weight: torch.Tensor, bias: torch
     cos, sin = cos.reshape(num_rows, head_size // 2), sin.reshape(num_rows, head_size // 2)
     slot_mapping = slot_mapping.reshape(num_rows)
     _check_row_sums("decode_qkv_rope_cache", "rms_sums", input, rms_sums)
+    _check_weight_scale("decode_qkv_rope_cache", weight, weight_scale)
     out = torch.ops.tpkit.decode_qkv_rope_cache(rows, weight, bias, cos, sin, key_cache, value_cache,
-                                                slot_mapping, num_heads, rms_sums, eps)
+                                                slot_mapping, num_heads, rms_sums, eps, weight_scale, k_scale,
+                                                v_scale)
     return out.view(*input.shape[:-1], features)
 
 
 def decode_linear_residual_norm(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                                 residual: torch.Tensor, norm_weight: torch.Tensor, sums: torch.Tensor,
-                                zero_sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                                zero_sums: torch.Tensor, weight_scale: torch.Tensor | None = None
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """A decode step's product that adds the residual stream and starts the RMSNorm that follows it (the
     first half; the next product, given ``rms_sums=sums``, does the second):
     ``out = residual + F.linear(input, weight, bias)``, ``normed = out * norm_weight``,
@@ -271,6 +349,7 @@ def decode_linear_residual_norm(input: torch.Tensor, weight: torch.Tensor, bias:
             rows' sums of squares are added to it in place.
         zero_sums: float64 ``[num_rows]``, another buffer, set to zero in place: the sums of the product
             before, whose consumer has run, ready for the product after (two buffers take turns).
+        weight_scale: as in :func:`decode_linear_silu_and_mul`, ``[out_features]``.
 
     Returns:
         ``(out, normed)``, each ``[..., out_features]``. The kernel rounds the product to the dtype, then the
@@ -291,7 +370,8 @@ def decode_linear_residual_norm(input: torch.Tensor, weight: torch.Tensor, bias:
                          f"{tuple(norm_weight.shape)}")
     _check_row_sums("decode_linear_residual_norm", "sums", input, sums)
     _check_row_sums("decode_linear_residual_norm", "zero_sums", input, zero_sums)
+    _check_weight_scale("decode_linear_residual_norm", weight, weight_scale)
     residual_rows = residual.reshape(num_rows, out_features)
     out, normed = torch.ops.tpkit.decode_linear_residual_norm(rows, weight, bias, residual_rows, norm_weight,
-                                                              sums, zero_sums)
+                                                              sums, zero_sums, weight_scale)
     return out.view(residual.shape), normed.view(residual.shape)

@@ -243,13 +243,21 @@ class Fp8LinearMethod(QuantizationMethod):
         parts = layer.shard_parts(layer.weight)
         return (layer.weight.float() * self._expand(scale, layer.weight.shape, parts)).to(dtype)
 
+    def row_scales(self, layer: _LinearBase) -> torch.Tensor | None:
+        """float32 ``[out_per_partition]``, the scale of each row of the layer's float8 weight (a per-tensor
+        scale expanded over its part's rows, a per-channel one as it is), for products that scale each output
+        feature; None where no such scale exists: block scales, or a weight not float8 (yet)."""
+        if layer.weight.dtype != _FP8 or self.weight_scheme == "block":
+            return None
+        return self._expand(getattr(layer, self.scale_name), layer.weight.shape,
+                            layer.shard_parts(layer.weight)).reshape(-1)
+
     def apply(self, layer: _LinearBase, input_: torch.Tensor, bias: torch.Tensor | None,
               rows: slice | None = None) -> torch.Tensor:
         weight = layer.weight if rows is None else layer.weight[rows]
         per_row = weight.dtype == _FP8 and self.weight_scheme != "block" and input_.is_cuda
         if per_row:
-            row_scales = self._expand(getattr(layer, self.scale_name), layer.weight.shape,
-                                      layer.shard_parts(layer.weight)).reshape(-1)  # [out_per_partition]
+            row_scales = self.row_scales(layer)  # [out_per_partition]
             if rows is not None:
                 row_scales = row_scales[rows]
             out = None if self.decode_op is None else self.decode_op(input_, weight, row_scales, bias)

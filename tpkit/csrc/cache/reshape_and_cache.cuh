@@ -8,6 +8,7 @@
 
 #include "cache/reshape_and_cache.h"
 #include "common/dtype_traits.cuh"
+#include "common/fp8.cuh"
 
 namespace tpkit {
 
@@ -46,9 +47,8 @@ __global__ void __launch_bounds__(kCacheMaxThreads) reshape_and_cache_kernel(con
   }
 }
 
-// The quantizing write into a float8 cache: one thread block per token, one element a thread at a time.
-// x / scale in float32 (IEEE division, as the PyTorch reference divides), then the saturating conversion:
-// finite values beyond the format's range become its largest finite value, NaN stays NaN.
+// The quantizing write into a float8 cache: one thread block per token, one element a thread at a time, each
+// stored as quantize_fp8 makes it.
 template <typename Src, __nv_fp8_interpretation_t kFormat>
 __global__ void __launch_bounds__(kCacheMaxThreads) reshape_and_cache_fp8_kernel(const tpkit_reshape_and_cache_args p) {
   const int64_t token = blockIdx.x;
@@ -65,10 +65,10 @@ __global__ void __launch_bounds__(kCacheMaxThreads) reshape_and_cache_fp8_kernel
     const int h = i / p.head_size;
     const int d = i - h * p.head_size;
     const int s = p.scale_per_head ? h : 0;
-    const float k = DTypeTraits<Src>::to_float(key[h * p.key_stride_head + d]) / p.k_scale[s];
-    const float v = DTypeTraits<Src>::to_float(value[h * p.value_stride_head + d]) / p.v_scale[s];
-    kc[h * p.kc_stride_head + d] = __nv_cvt_float_to_fp8(k, __NV_SATFINITE, kFormat);
-    vc[h * p.vc_stride_head + d] = __nv_cvt_float_to_fp8(v, __NV_SATFINITE, kFormat);
+    kc[h * p.kc_stride_head + d] =
+        quantize_fp8(DTypeTraits<Src>::to_float(key[h * p.key_stride_head + d]), p.k_scale[s], kFormat);
+    vc[h * p.vc_stride_head + d] =
+        quantize_fp8(DTypeTraits<Src>::to_float(value[h * p.value_stride_head + d]), p.v_scale[s], kFormat);
   }
 }
 

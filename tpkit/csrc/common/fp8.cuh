@@ -1,5 +1,5 @@
 // Float8 values (a quantized KV cache, quantized weights) converted to the 16-bit type the tensor cores
-// take. Torch-free.
+// take, and the quantizing conversion of a float8 KV cache's writes. Torch-free.
 #pragma once
 
 #include <stdint.h>
@@ -41,6 +41,14 @@ __device__ __forceinline__ uint32_t fp8x2_to_half2(uint32_t pair) {
   const __half2_raw h =
       __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair & 0xffffu), kFp8Interpretation<FORMAT>);
   return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+}
+
+// A float8 cache's stored value of x: saturate(x / scale), x / scale in float32 (IEEE division, as the
+// PyTorch reference divides), then the saturating conversion: finite values beyond the format's range become
+// its largest finite value, NaN stays NaN. Every cache write quantizes through this one rule, so that two
+// writes of the same value store the same bits.
+__device__ __forceinline__ __nv_fp8_storage_t quantize_fp8(float x, float scale, __nv_fp8_interpretation_t format) {
+  return __nv_cvt_float_to_fp8(x / scale, __NV_SATFINITE, format);
 }
 
 }  // namespace tpkit

@@ -40,14 +40,23 @@ cudaError_t launch_rows(const tpkit_decode_linear_args* a, cudaStream_t stream) 
   return cudaGetLastError();
 }
 
+// Float8 weights (weight_scale given) or weights of the dtype, with any epilogue.
+template <typename T, int kSplits, tpkit::LinearEpilogue kEpilogue>
+cudaError_t launch_weight(const tpkit_decode_linear_args* a, cudaStream_t stream) {
+  return a->weight_scale != nullptr ? launch_rows<T, kSplits, kEpilogue, true>(a, stream)
+                                    : launch_rows<T, kSplits, kEpilogue, false>(a, stream);
+}
+
 template <typename T, int kSplits>
 cudaError_t launch_splits(const tpkit_decode_linear_args* a, cudaStream_t stream) {
   using tpkit::LinearEpilogue;
-  if (a->weight_scale != nullptr) return launch_rows<T, kSplits, LinearEpilogue::kPlain, true>(a, stream);
-  if (a->silu_and_mul) return launch_rows<T, kSplits, LinearEpilogue::kSiLUAndMul>(a, stream);
-  if (a->rotary_features > 0) return launch_rows<T, kSplits, LinearEpilogue::kRotaryCache>(a, stream);
-  if (a->residual != nullptr) return launch_rows<T, kSplits, LinearEpilogue::kResidualNorm>(a, stream);
-  return launch_rows<T, kSplits, LinearEpilogue::kPlain>(a, stream);
+  if (a->silu_and_mul) return launch_weight<T, kSplits, LinearEpilogue::kSiLUAndMul>(a, stream);
+  if (a->rotary_features > 0 && a->cache_fp8 != TPKIT_FP8_NONE) {
+    return launch_weight<T, kSplits, LinearEpilogue::kRotaryFp8Cache>(a, stream);
+  }
+  if (a->rotary_features > 0) return launch_weight<T, kSplits, LinearEpilogue::kRotaryCache>(a, stream);
+  if (a->residual != nullptr) return launch_weight<T, kSplits, LinearEpilogue::kResidualNorm>(a, stream);
+  return launch_weight<T, kSplits, LinearEpilogue::kPlain>(a, stream);
 }
 
 template <typename T>
@@ -80,13 +89,12 @@ int tpkit_decode_linear_supported(const tpkit_decode_linear_args* a) {
       (!a->silu_and_mul && hs > 0 && hs % 16 == 0 && a->q_features % hs == 0 && a->rotary_features % hs == 0 &&
        a->q_features <= a->rotary_features && a->rotary_features <= a->out_features && a->out_features % hs == 0 &&
        a->cos != nullptr && a->sin != nullptr && a->key_cache != nullptr && a->value_cache != nullptr &&
-       a->slot_mapping != nullptr && a->block_size > 0);
+       a->slot_mapping != nullptr && a->block_size > 0 &&
+       (a->cache_fp8 == TPKIT_FP8_NONE || (a->k_scale != nullptr && a->v_scale != nullptr)));
   const bool residual_ok = a->residual == nullptr || (!a->silu_and_mul && a->rotary_features == 0 &&
                                                        a->norm_weight != nullptr && a->normed != nullptr &&
                                                        a->sums != nullptr);
-  const bool fp8_ok =
-      a->weight_scale == nullptr || (!a->silu_and_mul && a->rotary_features == 0 && a->residual == nullptr);
-  return dtype_ok && shape_ok && aligned && splits_ok && rotary_ok && residual_ok && fp8_ok && a->out != nullptr
+  return dtype_ok && shape_ok && aligned && splits_ok && rotary_ok && residual_ok && a->out != nullptr
              ? 1
              : 0;
 }

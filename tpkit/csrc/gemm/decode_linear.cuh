@@ -45,8 +45,10 @@ __device__ __forceinline__ void multiply_step(float (&c)[4], const uint4* __rest
 }
 
 // What a block does with its sums (decode_linear.h): store them, combine gate and up (SwiGLU), rotate q
-// and k heads and write k and v to the cache as well, or add the residual and start the next RMSNorm.
-enum class LinearEpilogue { kPlain, kSiLUAndMul, kRotaryCache, kResidualNorm };
+// and k heads and write k and v to the cache as well (kRotaryFp8Cache: quantized into a float8 cache), or
+// add the residual and start the next RMSNorm. The float8 cache's write is an epilogue of its own so that
+// the 16-bit cache's kernels keep their registers.
+enum class LinearEpilogue { kPlain, kSiLUAndMul, kRotaryCache, kRotaryFp8Cache, kResidualNorm };
 
 // One block: kLinearRowGroups x kSplits warps; warp (group, split) multiplies 8 weight rows over the
 // split-th share of in_features with m16n8k16 products: the input as A (rows 0-7 and, with kUpperRows,
@@ -54,14 +56,15 @@ enum class LinearEpilogue { kPlain, kSiLUAndMul, kRotaryCache, kResidualNorm };
 // kSiLUAndMul, the gate's 8 rows and the up projection's same 8 features; with kRotaryCache, in a q or k
 // head, 8 features and the 8 they rotate with (head_size / 2 on), so that the epilogue combines them.
 // kFp8Weight: the weight is float8 (E4M3), 8 bytes a lane a step converted to T in registers, and each
-// feature's sum is multiplied by its weight_scale (decode_linear.h).
+// feature's sum is multiplied by its weight_scale (decode_linear.h), whichever the epilogue.
 template <typename T, int kSplits, bool kUpperRows, LinearEpilogue kEpilogue, bool kFp8Weight = false>
 __global__ void __launch_bounds__(kLinearRowGroups * kSplits * 32,
                                   kLinearThreadsPerSM / (kLinearRowGroups * kSplits * 32))
     decode_linear_kernel(const tpkit_decode_linear_args a) {
   static_assert(kLinearRowGroups == 2, "two groups: gate and up, or a rotation's two halves");
   constexpr bool kSiLUAndMul = kEpilogue == LinearEpilogue::kSiLUAndMul;
-  constexpr bool kRotaryCache = kEpilogue == LinearEpilogue::kRotaryCache;
+  constexpr bool kFp8Cache = kEpilogue == LinearEpilogue::kRotaryFp8Cache;
+  constexpr bool kRotaryCache = kEpilogue == LinearEpilogue::kRotaryCache || kFp8Cache;
   constexpr bool kResidualNorm = kEpilogue == LinearEpilogue::kResidualNorm;
   using Traits = DTypeTraits<T>;
   __shared__ float partial[kLinearRowGroups][kSplits][16][8];  // [group][split][row m][feature n]
@@ -186,12 +189,17 @@ __global__ void __launch_bounds__(kLinearRowGroups * kSplits * 32,
       const bool is_key = n < a.rotary_features;
       const int kv_n = n - (is_key ? a.q_features : a.rotary_features);
       const int head = kv_n / a.head_size, d = kv_n % a.head_size;
-      if (is_key) {
-        static_cast<T*>(a.key_cache)[block * a.kc_stride_block + offset * a.kc_stride_token +
-                                     head * a.kc_stride_head + d] = rounded;
+      void* cache = is_key ? a.key_cache : a.value_cache;
+      const int64_t index =
+          is_key ? block * a.kc_stride_block + offset * a.kc_stride_token + head * a.kc_stride_head + d
+                 : block * a.vc_stride_block + offset * a.vc_stride_token + head * a.vc_stride_head + d;
+      if constexpr (!kFp8Cache) {
+        static_cast<T*>(cache)[index] = rounded;
       } else {
-        static_cast<T*>(a.value_cache)[block * a.vc_stride_block + offset * a.vc_stride_token +
-                                       head * a.vc_stride_head + d] = rounded;
+        // The rounded value, as the layers' forward hands it to the quantizing cache write.
+        const float scale = (is_key ? a.k_scale : a.v_scale)[a.scale_per_head ? head : 0];
+        const __nv_fp8_interpretation_t format = a.cache_fp8 == TPKIT_FP8_E5M2 ? __NV_E5M2 : __NV_E4M3;
+        static_cast<__nv_fp8_storage_t*>(cache)[index] = quantize_fp8(Traits::to_float(rounded), scale, format);
       }
     }
     return;

@@ -32,7 +32,10 @@ typedef struct {
   // (not with silu_and_mul): out's features are q heads, then k heads, then v heads of head_size each; the
   // first rotary_features (q and k) are rotated by RoPE in the NeoX / HuggingFace layout (feature i of a
   // head pairs with i + head_size / 2: x1 cos - x2 sin, x2 cos + x1 sin, from the product rounded to the
-  // dtype), and the features from q_features on (k, then v) are also written to row m's cache slot.
+  // dtype), and the features from q_features on (k, then v) are also written to row m's cache slot: the
+  // value as the output holds it, or, in a float8 cache (cache_fp8 not TPKIT_FP8_NONE), quantized as the
+  // quantizing cache write does (reshape_and_cache.h): stored = saturate(x / scale), with k_scale[h] or
+  // v_scale[h] of KV head h (scale_per_head) or entry 0.
   int head_size;
   int q_features;
   int rotary_features;
@@ -45,6 +48,10 @@ typedef struct {
   int64_t num_blocks;
   int64_t kc_stride_block, kc_stride_token, kc_stride_head;
   int64_t vc_stride_block, vc_stride_token, vc_stride_head;
+  tpkit_fp8_format cache_fp8;  // the caches' float8 format, or TPKIT_FP8_NONE (caches of the dtype)
+  const float* k_scale;        // [num_kv_heads] or [1], float32, with a float8 cache
+  const float* v_scale;
+  int scale_per_head;
   // An RMSNorm split across two products of a decode step (rms_norm(x) W^T = rsqrt(mean(x^2) + eps) (x *
   // norm_weight) W^T), so that no kernel of its own runs between them:
   // - the producer (residual != NULL; plain product only): out = round(product) + residual, rounded (the
@@ -61,9 +68,9 @@ typedef struct {
   double* zero_sums;        // [num_rows], float64, or NULL
   const double* rms_sums;   // [num_rows], float64, or NULL
   float eps;
-  // Float8 (E4M3) weights, when weight_scale is not NULL (the plain product only): weight holds
-  // [out_features, in_features] float8 values, converted exactly to the dtype in registers, and row n's
-  // product is multiplied by weight_scale[n] (float32) before the bias.
+  // Float8 (E4M3) weights, when weight_scale is not NULL (with any epilogue): weight holds [out_features,
+  // in_features] float8 values, converted exactly to the dtype in registers, and row n's product is
+  // multiplied by weight_scale[n] (float32) after the RMSNorm's row scale, before the bias.
   const float* weight_scale;  // [out_features], or NULL
 } tpkit_decode_linear_args;
 
@@ -73,8 +80,8 @@ typedef struct {
 // 1 when the kernel takes these arguments: float16 or bfloat16, 1-16 rows, in_features a multiple of 32,
 // out_features of 8 (of 16 with silu_and_mul), input and weight rows 16-byte aligned, splits 0, 1, 2, 4 or 8;
 // with the rotation, head_size a multiple of 16 and q_features, rotary_features and out_features multiples
-// of head_size; with a residual, neither SwiGLU nor the rotation, and norm_weight, normed and sums given;
-// with weight_scale (float8 weights), none of SwiGLU, the rotation and the residual.
+// of head_size, and with a float8 cache k_scale and v_scale given; with a residual, neither SwiGLU nor the
+// rotation, and norm_weight, normed and sums given.
 int tpkit_decode_linear_supported(const tpkit_decode_linear_args* args);
 
 // Launches the kernel on `stream` (cudaErrorInvalidValue where tpkit_decode_linear_supported says 0).
