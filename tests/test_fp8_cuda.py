@@ -171,8 +171,9 @@ def test_decode_kernel_reading_float8_weights(dtype, num_rows):
 
 
 # Relative to the largest output: the float32 sum of exactly converted float8 weights, scaled once, against
-# the reference's product by the weight dequantized to the dtype.
-FUSED_TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+# the reference's product by the weight dequantized to the dtype (each weight rounded to it, then the
+# output; for bfloat16 about two units in the last place of the largest output).
+FUSED_TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 2e-2}
 FUSED_ROWS = [1, 3, 8, 9, 16]
 FUSED_DTYPES = [torch.float16, torch.bfloat16]
 
@@ -182,7 +183,9 @@ def _fp8_operands(num_rows: int, out_features: int, in_features: int, dtype: tor
     bias, on the GPU; the scales keep the dequantized weight's products near 1."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(num_rows, in_features, generator=gen)
-    weight = (torch.randn(out_features, in_features, generator=gen) * 100).to(torch.float8_e4m3fn)
+    # Within E4M3's range: a cast to float8_e4m3fn turns larger values into NaN.
+    weight = (torch.randn(out_features, in_features, generator=gen) * 100).clamp(-448, 448).to(
+        torch.float8_e4m3fn)
     scale = (torch.rand(out_features, generator=gen) + 0.5) / (100 * in_features ** 0.5)
     bias = torch.randn(out_features, generator=gen)
     return x.to("cuda", dtype), weight.cuda(), scale.cuda(), bias.to("cuda", dtype)
@@ -299,6 +302,7 @@ def test_fp8_llama_fused_decode_gives_the_layers_tokens(monkeypatch, scheme, cac
     tokens = {}
     for fused in (False, None):
         model.fused_decode = fused
+        model.clear_kv_cache()  # the graphs captured with the other setting go too
         for graphs in (False, True):
             count = len(fused_steps)
             tokens[fused, graphs] = model.generate(prompts, 8, ignore_eos=True, cuda_graph=graphs)

@@ -157,7 +157,8 @@ class LlamaForCausalLM(PagedDecoderOnlyLM):
     # Decode steps on the fused kernels (tpkit.models.fused_decode): None (the default) where tpkit's decode
     # kernel takes the step's products, True at every decode step without gradients (the fused ops'
     # PyTorch expressions where the kernels do not run), False never (every step through the layers, which
-    # is what a model whose layers get another product through set_linear_op wants).
+    # is what a model whose layers get another product through set_linear_op wants). CUDA graphs captured
+    # before a change replay the step they captured: clear_kv_cache() drops them.
     fused_decode: bool | None = None
     config_schema = LLAMA
     layer_class: type[nn.Module] = LlamaDecoderLayer
