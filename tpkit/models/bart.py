@@ -23,13 +23,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from tpkit.attention import Attention, AttentionMetadata, PagedKVCache
+from tpkit.attention import Attention, AttentionMetadata, PagedKVCache, copy_to_device
 from tpkit.loaders import load_weights
 from tpkit.models.activations import get_activation
 from tpkit.models.config_checks import BART, check_config
 from tpkit.models.dropout import attend
 from tpkit.models.generation import PagedLM
-from tpkit.models.prompts import check_input_ids, parse_eos_token_ids, right_pad
+from tpkit.models.prompts import check_input_ids, parse_eos_token_ids
 from tpkit.models.sequence_parallel import check_sequence_parallel, exit_sequence_parallel, mark_norms
 from tpkit.ops import decode_linear
 from tpkit.parallel_layers import (
@@ -261,13 +261,15 @@ class BartForConditionalGeneration(PagedLM):
     def encode_packed(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         """The encoder over ragged prompts, its tokens packed prompt after prompt (padding dropped), one per
         slot of a cross cache step: ``[1, sum(prompt lengths), d_model]``."""
-        device = self.device
         prompt_lens = [len(ids) for ids in prompts]
-        encoder_states = self.encode(right_pad(prompts, device),
-                                     torch.tensor(prompt_lens, device=device))  # [batch, src_len, d_model]
-        src_len = encoder_states.shape[1]
-        index = [i * src_len + j for i, n in enumerate(prompt_lens) for j in range(n)]
-        return encoder_states.flatten(0, 1)[torch.tensor(index, device=device)][None]
+        src_len = max(prompt_lens)
+        padded = torch.tensor([list(ids) + [0] * (src_len - len(ids)) for ids in prompts])  # [batch, src_len]
+        index = torch.tensor([i * src_len + j for i, n in enumerate(prompt_lens) for j in range(n)])
+        # One copy from pinned memory: the host does not wait for the GPU's queue.
+        input_ids, key_lens, index = copy_to_device([padded, torch.tensor(prompt_lens), index], self.device)
+        # Prompts of one length need no padding mask.
+        encoder_states = self.encode(input_ids, key_lens if min(prompt_lens) < src_len else None)
+        return encoder_states.flatten(0, 1)[index][None]  # from [batch, src_len, d_model]
 
     def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, encoder_states: torch.Tensor | None,
                caches: Mapping[str, PagedKVCache] | None = None,

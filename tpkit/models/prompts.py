@@ -72,10 +72,3 @@ def check_input_ids(name: str, input_ids: object, max_positions: int, key: str) 
     if input_ids.shape[1] > max_positions:
         raise ValueError(f"{name}: expected at most {max_positions} tokens a sequence (the model's {key}), "
                          f"got {input_ids.shape[1]}")
-
-
-def right_pad(token_lists: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
-    """int64 ``[batch, max_len]``, each row a prompt followed by zeros."""
-    max_len = max(len(ids) for ids in token_lists)
-    return torch.tensor([list(ids) + [0] * (max_len - len(ids)) for ids in token_lists], dtype=torch.int64,
-                        device=device)
