@@ -33,18 +33,30 @@ def copy_to_device(host: Sequence[torch.Tensor], device: torch.device) -> list[t
 
 def _copy_packed(host: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """:func:`copy_to_device` by one packed copy, on any device."""
+    packed = torch.empty(packed_size(host), dtype=torch.uint8, pin_memory=device.type == "cuda")
+    for view, tensor in zip(packed_views(packed, host), host, strict=True):
+        view.copy_(tensor)
+    return packed_views(packed.to(device, non_blocking=True), host)
+
+
+def packed_size(like: Sequence[torch.Tensor]) -> int:
+    """Bytes of a buffer that holds tensors of the shapes and dtypes of ``like`` one after another, each
+    aligned to its element size (:func:`packed_views`)."""
+    return _offsets(like)[1]
+
+
+def packed_views(packed: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of the bytes ``packed`` (uint8, :func:`packed_size` of them) with the dtypes and shapes of
+    ``like``, one after another: tensors that move between host and device in one copy of ``packed``."""
+    offsets, _ = _offsets(like)
+    return [packed[offset: offset + tensor.numel() * tensor.element_size()].view(tensor.dtype)
+            .view(tensor.shape) for tensor, offset in zip(like, offsets, strict=True)]
+
+
+def _offsets(like: Sequence[torch.Tensor]) -> tuple[list[int], int]:
     offsets, end = [], 0
-    for tensor in host:
+    for tensor in like:
         end += -end % tensor.element_size()  # each view starts aligned to its element size
         offsets.append(end)
         end += tensor.numel() * tensor.element_size()
-    packed = torch.empty(end, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    for view, tensor in zip(_views(packed, host, offsets), host, strict=True):
-        view.copy_(tensor)
-    return _views(packed.to(device, non_blocking=True), host, offsets)
-
-
-def _views(packed: torch.Tensor, like: Sequence[torch.Tensor], offsets: Sequence[int]) -> list[torch.Tensor]:
-    """Views of the bytes ``packed`` at ``offsets`` with the dtypes and shapes of ``like``."""
-    return [packed[offset: offset + tensor.numel() * tensor.element_size()].view(tensor.dtype)
-            .view(tensor.shape) for tensor, offset in zip(like, offsets, strict=True)]
+    return offsets, end

@@ -284,11 +284,11 @@ class PagedKVCache:
         self._register_blocks(seq_id)
 
     def step_metadata(self, seq_ids: Sequence[int], query_lens: Sequence[int], *,
-                      block_table_width: int | None = None) -> AttentionMetadata:
+                      block_table_width: int | None = None, on_host: bool = False) -> AttentionMetadata:
         """A packed step over the last ``query_lens[i]`` tokens of each cached sequence ``seq_ids[i]``
         (already appended; 0 allowed), their K/V written to their slots and attending with
         ``query_start_loc``: any mix of prompts, chunks, speculative tokens and decodes. Changes nothing.
-        ``block_table_width`` as in :meth:`decode_metadata`."""
+        ``block_table_width`` and ``on_host`` as in :meth:`decode_metadata`."""
         seq_ids = self._check_seq_ids(seq_ids)
         self._check_all_known(seq_ids)
         lens = self._check_counts(seq_ids, query_lens, "step_metadata", "query_lens", 0)
@@ -312,7 +312,7 @@ class PagedKVCache:
         first_block = counts.cumsum(0) - counts  # [num_seqs]: where each sequence's blocks start in flat
         blocks = flat.long()[first_block[seq] + torch.div(positions, self.block_size, rounding_mode="floor")]
         slot_mapping = blocks * self.block_size + positions % self.block_size  # [num_tokens]
-        return self._metadata(slot_mapping, block_tables, seq_lens, q_lens, query_start_loc)
+        return self._metadata(slot_mapping, block_tables, seq_lens, q_lens, query_start_loc, on_host)
 
     def prefill_metadata(self, seq_ids: Sequence[int], prompt_lens: Sequence[int], *,
                          token_ids: Sequence[Sequence[int]] | None = None) -> AttentionMetadata:
@@ -331,7 +331,7 @@ class PagedKVCache:
         return self.step_metadata(seq_ids, lens)
 
     def decode_metadata(self, seq_ids: Sequence[int], append: bool = True, *,
-                        block_table_width: int | None = None) -> AttentionMetadata:
+                        block_table_width: int | None = None, on_host: bool = False) -> AttentionMetadata:
         """One decode step of cached sequences.
 
         ``append=True`` (self-attention): one new token per sequence, its slot allocated (a new block when
@@ -340,6 +340,8 @@ class PagedKVCache:
         all -1). ``block_table_width``: the block tables' columns, at least the most blocks a sequence holds
         after this step (default: that many); a fixed width keeps the step's shapes fixed while sequences
         grow (a CUDA graph's, and the attention kernel's split-K plan, which follows the width).
+        ``on_host``: the metadata's tensors stay on the host, for a caller that copies them to the device
+        together with others (one copy a step: :func:`~tpkit.attention.copy_to_device`).
         """
         seq_ids = self._check_seq_ids(seq_ids)
         self._check_all_known(seq_ids)
@@ -359,7 +361,7 @@ class PagedKVCache:
             slot_mapping = torch.full((len(seq_ids),), -1, dtype=torch.int64)  # [num_seqs]
         seq_lens = torch.tensor([self._seq_lens[seq_id] for seq_id in seq_ids])
         return self._metadata(slot_mapping, _block_tables(*self._flat_blocks(seq_ids), width), seq_lens,
-                              torch.ones(len(seq_ids), dtype=torch.int64), None)
+                              torch.ones(len(seq_ids), dtype=torch.int64), None, on_host)
 
     def fork(self, seq_id: int, new_seq_id: int, num_tokens: int | None = None) -> None:
         """Start ``new_seq_id`` as the first ``num_tokens`` (default: all) of ``seq_id``'s tokens, sharing
@@ -540,9 +542,10 @@ class PagedKVCache:
         return flat_blocks, counts  # [total_blocks], [num_seqs]
 
     def _metadata(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                  query_lens: torch.Tensor, query_start_loc: torch.Tensor | None) -> AttentionMetadata:
+                  query_lens: torch.Tensor, query_start_loc: torch.Tensor | None,
+                  on_host: bool) -> AttentionMetadata:
         host = [slot_mapping.long(), block_tables, seq_lens.int(), query_lens.int()]
         if query_start_loc is not None:
             host.append(query_start_loc.int())
-        on_device = copy_to_device(host, self.device)
-        return AttentionMetadata(*on_device[:4], query_start_loc=on_device[4] if len(on_device) > 4 else None)
+        tensors = host if on_host else copy_to_device(host, self.device)
+        return AttentionMetadata(*tensors[:4], query_start_loc=tensors[4] if len(tensors) > 4 else None)

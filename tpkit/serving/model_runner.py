@@ -143,8 +143,7 @@ class ModelRunner:
                    ) -> torch.Tensor:
         """The step's ``tokens`` ``[num_tokens]`` on the device, each request's last one (at ``last[i]`` for
         ``batch[i]``) taken from ``drawn`` where the previous step drew it."""
-        patch = [] if drawn is None else [(at, drawn[1][r]) for at, (r, _) in zip(last, batch, strict=True)
-                                          if r in drawn[1]]
+        patch = _drawn_patch(batch, last, drawn)
         if not patch:
             (ids,) = copy_to_device([torch.tensor(tokens)], self.model.device)
             return ids
@@ -201,11 +200,22 @@ class ModelRunner:
         # Decode-shaped metadata (no query_start_loc) with block tables as wide as the sequences need: the
         # graph's static tables are wider, their further columns zero.
         metadata: dict[str, AttentionMetadata] = {"self": dataclasses.replace(
-            self.caches["self"].step_metadata(seq_ids, [1] * len(batch)), query_start_loc=None)}
+            self.caches["self"].step_metadata(seq_ids, [1] * len(batch), on_host=True), query_start_loc=None)}
         if self.encoder_decoder:
-            metadata["cross"] = self.caches["cross"].decode_metadata(seq_ids, append=False)
+            metadata["cross"] = self.caches["cross"].decode_metadata(seq_ids, append=False, on_host=True)
         widths = {name: self._graph_width(name, m.block_tables.shape[1]) for name, m in metadata.items()}
         step = model._graph_step(model._decode_step, self.caches, size, widths, ("serving",))
-        input_ids = self._input_ids([r.context[-1] for r, _ in batch], batch, range(len(batch)), drawn)
+        patch = _drawn_patch(batch, range(len(batch)), drawn)
+        tokens = torch.tensor([r.context[-1] for r, _ in batch])  # [batch]; DRAWN where patch says
         # The graph's own logits buffer, which its next replay overwrites: the caller draws from it first.
-        return step(input_ids[:, None], metadata, range(len(batch)))
+        from_device = (drawn[0], [a for a, _ in patch], [s for _, s in patch]) if patch else None
+        return step.run_from_host(tokens, metadata, from_device)
+
+
+def _drawn_patch(batch: Batch, last: Sequence[int], drawn: Drawn | None) -> list[tuple[int, int]]:
+    """``(at, source)`` for each request of the batch whose last context token the previous step drew: its
+    token's index ``last[i]`` in the step's tokens and its row in ``drawn``."""
+    if drawn is None:
+        return []
+    rows = drawn[1]
+    return [(at, rows[r]) for at, (r, _) in zip(last, batch, strict=True) if r in rows]
