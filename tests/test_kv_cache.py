@@ -206,3 +206,14 @@ def test_from_memory_budget(dtype, caplog):
                                          rf"\({block_bytes} bytes for 3 layers\), got {block_bytes - 1}"):
         PagedKVCache.from_memory_budget(block_bytes - 1, num_layers, block_size, num_kv_heads, head_size,
                                         dtype=dtype, device="cpu")
+
+
+def test_a_gpus_available_memory_counts_what_the_caching_allocator_holds_unused(monkeypatch):
+    """Memory freed by tensors stays with torch's caching allocator, not the driver: a budget or a size
+    check taken after a freed cache (an earlier engine's) still sees it as free."""
+    from tpkit._memory import available_bytes
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 << 30, 140 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 120 << 30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 20 << 30)
+    assert available_bytes(torch.device("cuda")) == (3 << 30) + (100 << 30)

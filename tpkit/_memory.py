@@ -10,9 +10,12 @@ import torch
 
 def available_bytes(device: torch.device) -> int | None:
     """Free memory of ``device``: the CPU's available memory (Linux's MemAvailable, else the free pages), a
-    GPU's free memory; None where it cannot be told (other devices, the meta device)."""
+    GPU's free memory and what torch's caching allocator holds unused; None where it cannot be told (other
+    devices, the meta device)."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        # The memory torch's caching allocator holds but no tensor uses is free to this process's tensors.
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + cached
     if device.type != "cpu":
         return None
     try:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from tpkit._env import env_flag
+from tpkit._memory import available_bytes
 from tpkit.attention import copy_to_device
 from tpkit.models.generation import PagedLM
 from tpkit.models.prompts import Prompts, check_prompts
@@ -292,7 +293,7 @@ def _budget_bytes(kv_cache_memory: float | int, device: torch.device) -> int:
         return kv_cache_memory
     if not 0.0 < kv_cache_memory <= 1.0:
         raise ValueError(f"Engine: kv_cache_memory: expected a fraction in (0, 1], got {kv_cache_memory!r}")
-    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else CPU_KV_CACHE_BYTES
+    free = available_bytes(device) if device.type == "cuda" else CPU_KV_CACHE_BYTES
     return int(free * kv_cache_memory)
 
 
