@@ -143,13 +143,13 @@ class ModelRunner:
                    ) -> torch.Tensor:
         """The step's ``tokens`` ``[num_tokens]`` on the device, each request's last one (at ``last[i]`` for
         ``batch[i]``) taken from ``drawn`` where the previous step drew it."""
-        patch = _drawn_patch(batch, last, drawn)
-        if not patch:
+        at, sources = _drawn_patch(batch, last, drawn)
+        if not at:
             (ids,) = copy_to_device([torch.tensor(tokens)], self.model.device)
             return ids
-        ids, at, source = copy_to_device([torch.tensor(tokens), torch.tensor([a for a, _ in patch]),
-                                          torch.tensor([s for _, s in patch])], self.model.device)
-        ids[at] = drawn[0][source]
+        ids, at, sources = copy_to_device([torch.tensor(tokens), torch.tensor(at), torch.tensor(sources)],
+                                          self.model.device)
+        ids[at] = drawn[0][sources]
         return ids
 
     def _encoder_decoder_step(self, chunks: list[tuple[int, int, list[int]]], input_ids: torch.Tensor
@@ -205,17 +205,21 @@ class ModelRunner:
             metadata["cross"] = self.caches["cross"].decode_metadata(seq_ids, append=False, on_host=True)
         widths = {name: self._graph_width(name, m.block_tables.shape[1]) for name, m in metadata.items()}
         step = model._graph_step(model._decode_step, self.caches, size, widths, ("serving",))
-        patch = _drawn_patch(batch, range(len(batch)), drawn)
-        tokens = torch.tensor([r.context[-1] for r, _ in batch])  # [batch]; DRAWN where patch says
+        at, sources = _drawn_patch(batch, range(len(batch)), drawn)
+        tokens = torch.tensor([r.context[-1] for r, _ in batch])  # [batch]; DRAWN at the rows in ``at``
         # The graph's own logits buffer, which its next replay overwrites: the caller draws from it first.
-        from_device = (drawn[0], [a for a, _ in patch], [s for _, s in patch]) if patch else None
-        return step.run_from_host(tokens, metadata, from_device)
+        return step.run_from_host(tokens, metadata, (drawn[0], at, sources) if at else None)
 
 
-def _drawn_patch(batch: Batch, last: Sequence[int], drawn: Drawn | None) -> list[tuple[int, int]]:
-    """``(at, source)`` for each request of the batch whose last context token the previous step drew: its
-    token's index ``last[i]`` in the step's tokens and its row in ``drawn``."""
-    if drawn is None:
-        return []
-    rows = drawn[1]
-    return [(at, rows[r]) for at, (r, _) in zip(last, batch, strict=True) if r in rows]
+def _drawn_patch(batch: Batch, last: Sequence[int], drawn: Drawn | None) -> tuple[list[int], list[int]]:
+    """For each request of the batch whose last context token the previous step drew: that token's index
+    ``last[i]`` in the step's tokens, and its row in ``drawn`` (two lists, in batch order)."""
+    at: list[int] = []
+    sources: list[int] = []
+    if drawn is not None:
+        rows = drawn[1]
+        for index, (request, _) in zip(last, batch, strict=True):
+            if request in rows:
+                at.append(index)
+                sources.append(rows[request])
+    return at, sources
