@@ -1,11 +1,13 @@
 """Where a generate call's GPU time goes: kernels grouped by kind, for bench_latency's Llama-3-8B shapes.
 
     PYTHONPATH=. python3 benchmarks/profile_generate.py [--no-graph] [--no-compile] [--output-len 128]
+    PYTHONPATH=. python3 benchmarks/profile_generate.py --quantization fp8 --kv-cache-dtype fp8
 
 Builds the Llama model of bench_latency.py (random bf16 weights, batch 8, 128 prompt tokens), runs
 ``generate`` once to warm up (captures the graph, compiles), then once more under ``torch.profiler``. Prints
 the GPU time per kind of kernel (GEMM, attention, cache write, everything else) and per kernel, per
 decode step against the weight-read floor. The kernels of CUDA-graph replays are recorded like any others.
+``--quantization`` and ``--kv-cache-dtype`` build the model as bench_latency.py's options of those names do.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from bench_latency import BASELINE, LLAMA3_8B
 from torch.profiler import ProfilerActivity, profile
 
 from tpkit.models import LlamaForCausalLM
+from tpkit.ops import decode_linear_fp8
+from tpkit.parallel_layers import Fp8LinearMethod
 
 KINDS = (  # first match wins; matched against the lower-cased kernel name
     ("attention", ("paged_attention",)),
@@ -44,12 +48,19 @@ def main() -> None:
     parser.add_argument("--no-graph", action="store_true", help="eager decode steps")
     parser.add_argument("--no-compile", action="store_true", help="decode step without torch.compile")
     parser.add_argument("--top", type=int, default=25, help="kernels listed")
+    parser.add_argument("--quantization", choices=["none", "fp8"], default="none",
+                        help="weights: as built (none) or float8 per channel (fp8)")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                        help="KV cache: the model's dtype (auto) or float8 E4M3 (fp8)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LLAMA3_8B, dtype=torch.bfloat16, device="cuda").eval()
+    quant_method = (Fp8LinearMethod("channel", decode_op=decode_linear_fp8) if args.quantization == "fp8"
+                    else None)
+    model = LlamaForCausalLM(LLAMA3_8B, dtype=torch.bfloat16, device="cuda", quant_method=quant_method).eval()
+    model.kv_cache_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else None
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     prompts = torch.randint(0, LLAMA3_8B["vocab_size"], (args.batch, args.input_len)).tolist()
     options = {"cuda_graph": not args.no_graph, "compile": not args.no_graph and not args.no_compile}
@@ -78,6 +89,7 @@ def main() -> None:
     copy_gbps = BASELINE["copy_bandwidth_GBps"]  # the H200 baseline's copy bandwidth
     copy_floor_ms = weight_bytes / (copy_gbps * 1e9) * 1e3
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; options {options}; "
+          f"weights {args.quantization}, KV cache {args.kv_cache_dtype}; "
           f"batch {args.batch}, input {args.input_len}, output {args.output_len}")
     print(f"wall {wall_s:.3f} s (unprofiled); GPU kernel time {total_us / 1e6:.3f} s; weights "
           f"{weight_bytes / 1e9:.2f} GB = {copy_floor_ms:.2f} ms a step at {copy_gbps} GB/s")
