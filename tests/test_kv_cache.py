@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tpkit.attention import AttentionMetadata, PagedKVCache
-from tpkit.attention.host_tensors import _copy_packed
+from tpkit.attention.host_tensors import _copy_packed, _segment_ids
 
 
 def make_cache(num_blocks=10, block_size=4, **overrides):
@@ -217,3 +217,14 @@ def test_a_gpus_available_memory_counts_what_the_caching_allocator_holds_unused(
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 120 << 30)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 20 << 30)
     assert available_bytes(torch.device("cuda")) == (3 << 30) + (100 << 30)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_segment_ids_equal_repeat_interleave(seed):
+    """Each element's segment for random segment lengths (zeros among them, at either end too) is what
+    ``torch.repeat_interleave`` of the segment indices gives."""
+    gen = torch.Generator().manual_seed(seed)
+    for num_segments in (0, 1, 2, 7, 300):
+        counts = torch.randint(0, 5, (num_segments,), generator=gen)
+        expected = torch.repeat_interleave(torch.arange(num_segments), counts)
+        assert torch.equal(_segment_ids(counts), expected)

@@ -20,7 +20,7 @@ import torch
 
 from tpkit._memory import available_bytes
 from tpkit.attention.block_pool import ROOT_HASH, BlockPool, block_hash
-from tpkit.attention.host_tensors import _block_tables, copy_to_device
+from tpkit.attention.host_tensors import _block_tables, _segment_ids, copy_to_device
 from tpkit.attention.kv_scales import FP8_KV_DTYPES, set_kv_scales
 
 logger = logging.getLogger("tpkit.attention")
@@ -306,7 +306,7 @@ class PagedKVCache:
         q_lens = torch.tensor(lens, dtype=torch.int64)  # [num_seqs]
         query_start_loc = torch.zeros(len(seq_ids) + 1, dtype=torch.int64)
         query_start_loc[1:] = q_lens.cumsum(0)
-        seq = torch.repeat_interleave(torch.arange(len(seq_ids)), q_lens)  # [num_tokens]
+        seq = _segment_ids(q_lens)  # [num_tokens]: each token's sequence
         # Each token's cache position: the last q_len of its sequence's tokens, in order.
         positions = torch.arange(seq.shape[0]) - query_start_loc[seq] + (seq_lens - q_lens)[seq]
         first_block = counts.cumsum(0) - counts  # [num_seqs]: where each sequence's blocks start in flat
