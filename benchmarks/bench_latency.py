@@ -7,7 +7,13 @@
 
 ``--quantization fp8`` gives tpkit's Llama float8 weights (its random weights quantized per channel; the
 decode steps' products on tpkit's decode kernel reading float8, the prefill's on float8 tensor cores) and
-``--kv-cache-dtype fp8`` a float8 KV cache; transformers runs bf16 as before.
+``--kv-cache-dtype fp8`` a float8 KV cache; transformers runs bf16 as before. With ``--quantization fp8``
+part 1 also measures the float8 model against the bf16 model it is quantized from, in the same process
+(``latency_fp8.py``): that model first (same variants, bf16 KV cache), then the float8 one; each one's
+prefill alone (batch 8 x ``--prefill-len`` 1024 prompt tokens) in tokens/s; and the float8 model's greedy
+tokens against those of the bf16 model holding its dequantized weights (positions equal, and per prompt the
+positions before the first difference). Its section prints each variant's bf16 and fp8 times against
+their read floors, the fp8 / bf16 ratio, the prefill tokens/s of both and the agreement, with the goals.
 
 Three parts, each reported even when another fails:
 
@@ -20,6 +26,10 @@ Three parts, each reported even when another fails:
    ``cache_implementation="static"``, against the floor: every decode step reads all weights once at the
    device copy bandwidth (measured here). The peers' figures on an H200 (transformers, the floor, and how
    they were measured) are in ``benchmarks/baselines/e2e_latency_h200.json``; the table prints them too.
+   And against the read floor (``latency_timing.read_floor``), the bytes a call must move at that
+   bandwidth: each step's weights but the embedding table (a step reads only its tokens' rows of it, unless
+   the LM head is tied to it), and the KV cache the prefill writes and each decode step reads (every
+   position so far, a window on a sliding layer) and writes.
 2. KV blocks that fit in the GPU memory left by a StarCoder-shaped GPT-BigCode (48 heads, multi-query, 40
    layers, hidden 6144; built on the meta device): tpkit's cache holds the one KV head, against a cache
    that stores a KV head per query head.
@@ -33,7 +43,6 @@ Prints the tables last and writes everything as JSON to ``--out`` (default bench
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import platform
 import statistics
@@ -41,16 +50,23 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
-from bench_paged_attention import _copy_bandwidth_gbps
+from latency_fp8 import fp8_latency, print_comparison
+from latency_timing import (
+    PrefillClock,
+    copy_bandwidth,
+    floor_line,
+    free_memory,
+    run_row,
+    timed_model,
+    token_agreement,
+)
 from torch import nn
 
 from tpkit.attention import PagedKVCache
 from tpkit.models import BartForConditionalGeneration, GPTBigCodeForCausalLM, model_class
-from tpkit.ops import decode_linear_fp8
-from tpkit.parallel_layers import Fp8LinearMethod, QKVCrossParallelLinear, QKVParallelLinear
+from tpkit.parallel_layers import QKVCrossParallelLinear, QKVParallelLinear
 
 BASELINE = json.loads((Path(__file__).parent / "baselines" / "e2e_latency_h200.json").read_text())
 LLAMA3_8B = {
@@ -117,6 +133,7 @@ class Setup:
         windowed = {"sliding_window": 8} if config.get("sliding_window") else {}
         self.model_config = config | SMALL_SIZES | windowed if small else config
         self.batch, self.input_len, self.output_len = (4, 16, 16) if small else (8, 128, 128)
+        self.prefill_len = 64 if small else 1024  # --quantization fp8: the prompts of the prefill alone
         self.bart = SMALL_BART if small else BART_LARGE
         self.bart_batch, self.bart_new_tokens = (4, 8) if small else (12, 32)
         self.bart_input_lens = [60 + (7 * i) % 13 for i in range(self.bart_batch)]  # ragged, mean ~66
@@ -127,37 +144,6 @@ class Setup:
             torch.cuda.synchronize(self.device)
 
 
-def timed_runs(setup: Setup, fn: Callable[[], Any]) -> tuple[list[float], Any]:
-    """Seconds of each of ``setup.iterations`` runs after ``setup.warmup`` warm-up runs; the last result."""
-    for _ in range(setup.warmup):
-        result = fn()
-    times = []
-    for _ in range(setup.iterations):
-        setup.sync()
-        start = time.perf_counter()
-        result = fn()
-        setup.sync()
-        times.append(time.perf_counter() - start)
-    return times, result
-
-
-def copy_bandwidth(setup: Setup) -> float:
-    """Bytes per second of a large clone (read + written), the floor's yardstick. On a GPU the baseline's
-    measure, bench_paged_attention's (a 2 GiB clone timed by CUDA events): a clone timed from the host reads
-    low, which would put the floor too high."""
-    if setup.device.type == "cuda":
-        return _copy_bandwidth_gbps() * 1e9
-    x = torch.empty(64 * 2**20 // 2, dtype=torch.bfloat16, device=setup.device)
-    times, _ = timed_runs(setup, x.clone)
-    return 2 * x.nbytes / min(times)
-
-
-def _free_memory(setup: Setup) -> None:
-    gc.collect()
-    if setup.device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 # 1. Llama-3-8B latency ----------------------------------------------------------------------------------
 def llama_latency(setup: Setup, args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
@@ -165,38 +151,19 @@ def llama_latency(setup: Setup, args: argparse.Namespace) -> dict:
     prompts = torch.randint(0, config["vocab_size"], (setup.batch, setup.input_len)).tolist()
     # One model on the device at a time: each part's model is gone when its function returns.
     result = tpkit_latency(setup, args, config, prompts)
-    _free_memory(setup)
+    free_memory(setup)
     result["rows"] += transformers_latency(setup, config, prompts)
-    _free_memory(setup)
+    free_memory(setup)
     return result
 
 
 def tpkit_latency(setup: Setup, args: argparse.Namespace, config: dict, prompts: list[list[int]]) -> dict:
-    quant_method = (Fp8LinearMethod("channel", decode_op=decode_linear_fp8) if args.quantization == "fp8"
-                    else None)
-    model = model_class(config)(config, dtype=setup.dtype, device=setup.device,
-                                quant_method=quant_method).eval()
-    model.kv_cache_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else None
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bandwidth = copy_bandwidth(setup)
-    floor_s = weight_bytes / bandwidth * setup.output_len
-    rows: list[dict] = []
-    variants = [("tpkit eager", {})]
-    if setup.device.type == "cuda":
-        variants.append(("tpkit CUDA graph", {"cuda_graph": True}))
-        if not args.no_compile:
-            variants.append(("tpkit CUDA graph + compile", {"cuda_graph": True, "compile": True}))
-    eager_tokens = None
-    for name, options in variants:
-        row = _run_row(name, setup, lambda o=options: model.generate(prompts, setup.output_len,
-                                                                      ignore_eos=True, **o))
-        if row.get("result") is not None:
-            tokens = row.pop("result")
-            eager_tokens = eager_tokens or tokens
-            row["same_tokens_as_eager"] = _agreement(tokens, eager_tokens)
-        rows.append(row)
-    model.clear_kv_cache()
-    return {"weight_bytes": weight_bytes, "copy_GBps": bandwidth / 1e9, "floor_s": floor_s, "rows": rows}
+    if args.quantization == "fp8":
+        return fp8_latency(setup, args, config, prompts, bandwidth)
+    model = model_class(config)(config, dtype=setup.dtype, device=setup.device).eval()
+    model.kv_cache_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else None
+    return timed_model(setup, args, model, prompts, bandwidth, "tpkit")[0]
 
 
 def transformers_latency(setup: Setup, config: dict, prompts: list[list[int]]) -> list[dict]:
@@ -223,25 +190,10 @@ def transformers_latency(setup: Setup, config: dict, prompts: list[list[int]]) -
                 hf_model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=n,
                                   min_new_tokens=n, do_sample=False, num_beams=1,
                                   pad_token_id=config["eos_token_id"], **o)
-        row = _run_row(name, setup, run)
+        row = run_row(name, setup, run)
         row.pop("result", None)
         rows.append(row)
     return rows
-
-
-def _run_row(name: str, setup: Setup, fn: Callable[[], Any]) -> dict:
-    print(f"  {name} ...", flush=True)
-    try:
-        times, result = timed_runs(setup, fn)
-    except Exception as error:  # noqa: BLE001 - one failing variant must not hide the others
-        traceback.print_exc()
-        return {"impl": name, "error": f"{type(error).__name__}: {error}"[:300]}
-    return {"impl": name, "runs_s": times, "avg_s": statistics.fmean(times), "result": result}
-
-
-def _agreement(tokens: list[list[int]], reference: list[list[int]]) -> float:
-    pairs = [(a, b) for x, y in zip(tokens, reference, strict=True) for a, b in zip(x, y, strict=True)]
-    return sum(a == b for a, b in pairs) / len(pairs)
 
 
 # 2. KV blocks for a StarCoder-shaped model ----------------------------------------------------------------
@@ -284,26 +236,6 @@ class NaiveCrossQKV(nn.Module):
         return q, k, v
 
 
-class PrefillClock:
-    """Times the prefill inside every ``generate`` call of ``model`` (synchronised before and after), so a
-    call's decode time is its own time less its own prefill's: the eager prefill's host time varies by
-    several ms between calls, too much to subtract one call's prefill from another call's total."""
-
-    def __init__(self, setup: Setup, model: nn.Module) -> None:
-        self.seconds: list[float] = []
-        prefill = model._prefill
-
-        def timed_prefill(*args: Any, **kwargs: Any) -> torch.Tensor:
-            setup.sync()
-            start = time.perf_counter()
-            logits = prefill(*args, **kwargs)
-            setup.sync()
-            self.seconds.append(time.perf_counter() - start)
-            return logits
-
-        model._prefill = timed_prefill
-
-
 def bart_cross_qkv(setup: Setup) -> dict:
     torch.manual_seed(0)
     model = BartForConditionalGeneration(setup.bart, dtype=setup.dtype, device=setup.device).eval()
@@ -322,13 +254,13 @@ def bart_cross_qkv(setup: Setup) -> dict:
             model.clear_kv_cache()  # captured graphs hold the other projection
             for layer, module in zip(model.decoder.layers, modules, strict=True):
                 layer.encoder_attn.qkv_proj = module
-            row = _run_row(f"{projection}, {mode}", setup,
+            row = run_row(f"{projection}, {mode}", setup,
                            lambda o=options: model.generate(prompts, new_tokens, ignore_eos=True, **o))
             tokens = row.pop("result", None)
             if tokens is not None:
                 # Same weights, same math: both projections give the tokens of whichever ran first.
                 reference = first_tokens.setdefault(mode, tokens)
-                row["same_tokens_both_ways"] = _agreement(tokens, reference)
+                row["same_tokens_both_ways"] = token_agreement(tokens, reference)
             if "avg_s" in row:
                 prefill_s = clock.seconds[-len(row["runs_s"]):]  # the timed calls' own prefills
                 row["ms_per_token"] = row["avg_s"] / new_tokens * 1e3
@@ -366,12 +298,14 @@ def print_report(setup: Setup, results: dict) -> None:
         floor = latency["floor_s"]
         is_llama = setup.model_name == "Llama-3-8B"
         baseline = f" (baseline on an H200: {BASELINE['floor_s']} s)" if is_llama else ""
+        read = latency["read_floor"]["floor_s"]
         print(f"floor: {latency['weight_bytes'] / 1e9:.2f} GB of weights per step at "
               f"{latency['copy_GBps']:.0f} GB/s copy bandwidth x {setup.output_len} steps = {floor:.3f} s"
               f"{baseline}")
-        print(f"| {'implementation':<38} | {'avg s':>8} | {'tok/s':>8} | {'/ floor':>7} | "
+        print(floor_line("tpkit", latency["read_floor"], latency["copy_GBps"]))
+        print(f"| {'implementation':<38} | {'avg s':>8} | {'tok/s':>8} | {'/ floor':>7} | / read floor | "
               f"{'HF static / x':>13} | {'HF dynamic / x':>14} | same tokens as eager |")
-        print(f"|{'-' * 40}|{'-' * 10}|{'-' * 10}|{'-' * 9}|{'-' * 15}|{'-' * 16}|{'-' * 22}|")
+        print(f"|{'-' * 40}|{'-' * 10}|{'-' * 10}|{'-' * 9}|{'-' * 14}|{'-' * 15}|{'-' * 16}|{'-' * 22}|")
         for row in latency["rows"]:
             if "error" in row:
                 print(f"| {row['impl']:<38} | failed: {row['error']}")
@@ -382,7 +316,9 @@ def print_report(setup: Setup, results: dict) -> None:
             vs_dynamic = f"{dynamic / avg:.2f}x" if dynamic else "-"
             same = f"{row['same_tokens_as_eager']:.0%}" if "same_tokens_as_eager" in row else "-"
             print(f"| {row['impl']:<38} | {avg:>8.3f} | {tokens_per_s:>8.0f} | {avg / floor:>6.2f}x | "
-                  f"{vs_static:>13} | {vs_dynamic:>14} | {same:>20} |")
+                  f"{avg / read:>11.2f}x | {vs_static:>13} | {vs_dynamic:>14} | {same:>20} |")
+        if "fp8_vs_bf16" in latency:
+            print_comparison(latency, setup.batch, setup.output_len)
         if not setup.small and setup.model_name == "Llama-3-8B":
             measured = BASELINE["measured"]
             peers = ", ".join(f"{row['implementation']} {row['avg_s']:.2f} s" for row in BASELINE["rows"])
@@ -440,10 +376,16 @@ def main() -> None:
                         help="tpkit's Llama weights: as built (none) or float8 per channel (fp8)")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                         help="tpkit's Llama KV cache: the model's dtype (auto) or float8 E4M3 (fp8)")
+    parser.add_argument("--prefill-len", type=int, default=None,
+                        help="--quantization fp8: the prompt tokens of the prefill timed alone, each of a "
+                             "batch's prompts (default 1024; --small 64)")
     args = parser.parse_args()
     if not args.small and not torch.cuda.is_available():
         parser.error("no GPU visible: run with --small for the CPU check")
+    if args.prefill_len is not None and args.prefill_len < 1:
+        parser.error(f"--prefill-len: expected a positive number of tokens, got {args.prefill_len}")
     setup = Setup(args.small, args.model)
+    setup.prefill_len = args.prefill_len or setup.prefill_len
     if args.small:
         # One thread: OpenMP threads spinning on a busy 2-core CI machine make timings swing 100x.
         torch.set_num_threads(1)
@@ -454,7 +396,7 @@ def main() -> None:
     results = {}
     for name, fn in parts.items():
         results[name] = {"error": "skipped (--skip)"} if name in skip else _section(name, fn)
-        _free_memory(setup)
+        free_memory(setup)
     on_gpu = setup.device.type == "cuda"
     device_name = torch.cuda.get_device_name(setup.device) if on_gpu else platform.processor()
     meta = {"device": device_name or "cpu", "torch": torch.__version__, "python": platform.python_version(),
@@ -462,7 +404,8 @@ def main() -> None:
             "command": "python benchmarks/bench_latency.py" + (" --small" if setup.small else "")
             + f" --model {args.model}"
             + (" --quantization fp8" if args.quantization == "fp8" else "")
-            + (" --kv-cache-dtype fp8" if args.kv_cache_dtype == "fp8" else ""),
+            + (" --kv-cache-dtype fp8" if args.kv_cache_dtype == "fp8" else "")
+            + (f" --prefill-len {args.prefill_len}" if args.prefill_len else ""),
             "model": setup.model_name, "quantization": args.quantization,
             "kv_cache_dtype": args.kv_cache_dtype}
     try:

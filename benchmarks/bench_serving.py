@@ -33,7 +33,8 @@ import statistics
 import time
 
 import torch
-from bench_latency import BART_LARGE, LLAMA3_8B, SMALL_LLAMA, NaiveCrossQKV, _agreement
+from bench_latency import BART_LARGE, LLAMA3_8B, SMALL_LLAMA, NaiveCrossQKV
+from latency_timing import token_agreement
 
 from tpkit.models import BartForConditionalGeneration, LlamaForCausalLM
 from tpkit.models.generation import PagedLM
@@ -177,7 +178,7 @@ def _print_rate(model: str, rate: float, num_requests: int, results: dict[str, d
         print(line + (f" {values[0] / values[1]:>13.3f} |" if ratio else ""))
     if ratio:
         tokens = [r["tokens"] for r in results.values()]
-        print(f"same tokens both ways: {_agreement(tokens[0], tokens[1]):.3f}")
+        print(f"same tokens both ways: {token_agreement(tokens[0], tokens[1]):.3f}")
 
 
 def main() -> None:
