@@ -51,3 +51,36 @@ def test_forced_bos_and_eos_tokens_as_transformers(tmp_path):
         expected = hf_greedy(hf_model, PROMPTS, max_new_tokens)
         assert model.generate(PROMPTS, max_new_tokens, ignore_eos=True) == expected
     assert all(tokens[0] == 0 and tokens[-1] == 2 for tokens in hf_greedy(hf_model, PROMPTS, 12))
+
+
+def test_packed_encoder_ranks_backends_without_per_shape_setup_first(bart, monkeypatch):
+    """``encode_packed`` runs the encoder's attention with FlashAttention first and cuDNN's (which builds a
+    graph per new shape) last, whatever order was in force; the caller's order is back afterwards, and the
+    states equal the unpacked encoder's rows."""
+    model = from_pretrained(bart[0], tp_group=TPGroup(None, 0, 1), device="cpu")
+    orders = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording_sdpa(*args, **kwargs):
+        orders.append(torch._C._get_sdp_priority_order())
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording_sdpa)
+    backends = torch.nn.attention.SDPBackend
+    cudnn, flash = int(backends.CUDNN_ATTENTION), int(backends.FLASH_ATTENTION)
+    no_setup = [int(backends.FLASH_ATTENTION), int(backends.EFFICIENT_ATTENTION), int(backends.MATH)]
+    before = torch._C._get_sdp_priority_order()
+    cudnn_first = [cudnn] + [b for b in before if b != cudnn]
+    torch._C._set_sdp_priority_order(cudnn_first)
+    try:
+        with torch.no_grad():
+            packed = model.encode_packed(PROMPTS)  # [1, sum(prompt lengths), d_model]
+        after = torch._C._get_sdp_priority_order()
+    finally:
+        torch._C._set_sdp_priority_order(before)
+    assert orders and all(order[0] == flash and all(order.index(cudnn) > order.index(b) for b in no_setup)
+                          for order in orders)
+    assert after == cudnn_first
+    with torch.no_grad():
+        rows = [model.encode(torch.tensor([ids]))[0] for ids in PROMPTS]
+    torch.testing.assert_close(packed[0], torch.cat(rows), rtol=1e-5, atol=1e-5)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tpkit.attention import Attention, AttentionMetadata, PagedKVCache, copy_to_device
 from tpkit.loaders import load_weights
@@ -44,6 +45,13 @@ from tpkit.parallel_layers import (
 )
 
 POSITION_OFFSET = 2  # BART's learned positions start at row 2 (fairseq kept two rows for padding)
+
+# The encoder's attention backends over packed prompts, first choice first. Ragged prompts give a new shape
+# almost every call, and cuDNN's attention (which recent torch ranks first on Hopper) builds an execution
+# graph for each new shape, tens of milliseconds of host time before the first kernel runs; FlashAttention
+# and memory-efficient attention have no per-shape set-up.
+_PACKED_ENCODER_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH,
+                            SDPBackend.CUDNN_ATTENTION]
 
 
 class BartAttention(nn.Module):
@@ -268,7 +276,8 @@ class BartForConditionalGeneration(PagedLM):
         # One copy from pinned memory: the host does not wait for the GPU's queue.
         input_ids, key_lens, index = copy_to_device([padded, torch.tensor(prompt_lens), index], self.device)
         # Prompts of one length need no padding mask.
-        encoder_states = self.encode(input_ids, key_lens if min(prompt_lens) < src_len else None)
+        with sdpa_kernel(_PACKED_ENCODER_BACKENDS, set_priority=True):
+            encoder_states = self.encode(input_ids, key_lens if min(prompt_lens) < src_len else None)
         return encoder_states.flatten(0, 1)[index][None]  # from [batch, src_len, d_model]
 
     def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, encoder_states: torch.Tensor | None,
