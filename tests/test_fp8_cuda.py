@@ -151,11 +151,14 @@ def test_fp8_llama_generates_the_same_tokens_in_graphs():
 def test_decode_kernel_reading_float8_weights(dtype, num_rows):
     """The decode kernel's product of float8 weights against the float32 product of the dequantized weight
     (the conversion to the dtype is exact: only the accumulation order and the output's rounding differ),
-    for every split, then through the wrapper inside a CUDA graph."""
+    for every split, then through the wrapper inside a CUDA graph. The weights span E4M3's subnormals,
+    normals and largest values."""
     torch.manual_seed(4)
-    weight = (torch.randn(384, 512, device="cuda") * 40).to(torch.float8_e4m3fn)
+    in_features = 512
+    weight = (torch.randn(384, in_features, device="cuda") * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
+    weight[:3, :8] = torch.tensor([448.0, -448.0, 2.0**-9, -(2.0**-9), 7 * 2.0**-9, 2.0**-6, 0.0, -0.0])
     scale = torch.rand(384, device="cuda") * 0.01 + 1e-3
-    x = torch.randn(num_rows, 512, device="cuda", dtype=dtype)
+    x = torch.randn(num_rows, in_features, device="cuda", dtype=dtype)
     bias = torch.randn(384, device="cuda", dtype=dtype)
     exact = x.float() @ (weight.float() * scale[:, None]).T + bias.float()
     tolerance = (2e-3 if dtype == torch.float16 else 1e-2) * exact.abs().max()
@@ -168,6 +171,26 @@ def test_decode_kernel_reading_float8_weights(dtype, num_rows):
         graph, replayed = capture(lambda: decode_linear_fp8(x, weight, scale, bias))
         graph.replay()
         assert (replayed.float() - exact).abs().max() <= tolerance
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("in_features", [512, 544])
+def test_decode_kernel_float8_weight_nan_propagates(dtype, in_features):
+    """A NaN weight byte (0x7f or 0xff) makes its feature NaN in every row, wherever in the row it sits;
+    the other features keep the exact product."""
+    torch.manual_seed(5)
+    weight = (torch.randn(64, in_features, device="cuda") * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
+    bits = weight.view(torch.uint8)
+    nan_features = [3, 17, 40]
+    bits[3, 0], bits[17, in_features - 1], bits[40, 37] = 0x7F, 0xFF, 0x7F
+    scale = torch.rand(64, device="cuda") * 0.01 + 1e-3
+    x = torch.randn(6, in_features, device="cuda", dtype=dtype)
+    out = decode_linear_fp8(x, weight, scale)
+    assert out.float()[:, nan_features].isnan().all()
+    finite = [n for n in range(64) if n not in nan_features]
+    exact = x.float() @ (weight.float()[finite] * scale[finite, None]).T
+    tolerance = (2e-3 if dtype == torch.float16 else 1e-2) * exact.abs().max()
+    assert (out.float()[:, finite] - exact).abs().max() <= tolerance
 
 
 # Relative to the largest output: the float32 sum of exactly converted float8 weights, scaled once, against
