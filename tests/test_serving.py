@@ -316,7 +316,9 @@ def test_bad_input_is_refused_before_anything_is_queued(checkpoints):
 @pytest.mark.parametrize("name", ["llama", "bart"])
 def test_decode_steps_through_the_static_step_give_transformers_tokens(checkpoints, monkeypatch, name):
     """Steps of decodes only run what a CUDA graph replays (static buffers, padding rows, block tables wider
-    than the sequences'), here eagerly on the CPU: the tokens are still transformers', preempted or not."""
+    than the sequences', the greedy draw in the step where no request of it samples), here eagerly on the
+    CPU: the tokens are still transformers', preempted or not, and seeded samples are those of each request
+    served alone."""
     from tpkit.models.cuda_graph import StaticDecodeStep
     from tpkit.serving import Engine, SamplingParams
 
@@ -332,13 +334,22 @@ def test_decode_steps_through_the_static_step_give_transformers_tokens(checkpoin
         return steps[key]
 
     monkeypatch.setattr(model, "_graph_step", graph_step)
+    # Every other request samples (seeded): steps of greedy requests alone draw inside the static step,
+    # steps with a sampling request hand back logits.
+    mixed = [SamplingParams(MAX_NEW_TOKENS, ignore_eos=True) if i % 2 else
+             SamplingParams(MAX_NEW_TOKENS, temperature=1.5, top_k=50, seed=i, ignore_eos=True)
+             for i in range(len(PROMPTS))]
+    sampled = [Engine(model).generate([p], s)[0] for p, s in zip(PROMPTS, mixed, strict=True)]
     for settings in ({}, dict(kv_cache_memory=6 * _block_bytes(model), max_num_batched_tokens=64)):
         engine = Engine(model, **settings)
         engine.runner.graph_sizes = [1, 2, 4, 8]
         tokens = engine.generate(PROMPTS, SamplingParams(MAX_NEW_TOKENS, ignore_eos=True))
         assert tokens == ref_tokens
+        assert engine.generate(PROMPTS, mixed) == [sampled[i] if i % 2 == 0 else ref_tokens[i]
+                                                   for i in range(len(PROMPTS))]
         for cache in engine.runner.caches.values():
             assert cache.num_free_blocks == cache.num_blocks
+    assert {variant for _, _, variant in steps} == {("serving", True), ("serving", False)}
     # Graphs' tables are a power of two of blocks wide, at least 8 (or as wide as the model's positions).
     most = -(-model.max_positions // model.kv_block_size)
     assert steps and all(width == most or (width >= 8 and width & (width - 1) == 0)

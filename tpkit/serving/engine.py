@@ -192,14 +192,19 @@ class Engine:
         empty batch."""
         if not batch:
             return None
-        logits = self.runner.run(batch, previous.drawn if previous is not None else None)
+        greedy = all(request.sampler is None for request, _ in batch)
+        out, drew = self.runner.run(batch, previous.drawn if previous is not None else None, greedy=greedy)
         done = []  # the requests whose context the step finished, in batch order
         for request, num_tokens in batch:
             request.num_computed += num_tokens
             if request.num_computed == len(request.context):
                 done.append(request)
-        tokens = draw_tokens(logits, [r.sampler for r in done], self._share) if done else \
-            torch.empty(0, dtype=torch.int64, device=logits.device)  # [len(done)]
+        if drew:  # the step's greedy tokens, in the graph's buffer: every rank takes rank 0's
+            tokens = self._share.share(out.clone())  # [len(done)]
+        elif done:
+            tokens = draw_tokens(out, [r.sampler for r in done], self._share)  # [len(done)]
+        else:
+            tokens = torch.empty(0, dtype=torch.int64, device=out.device)
         self._force(tokens, done)
         positions = []
         for request in done:

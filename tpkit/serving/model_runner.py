@@ -117,13 +117,16 @@ class ModelRunner:
                 cache.free(request.request_id)
 
     @torch.inference_mode()
-    def run(self, batch: Batch, drawn: Drawn | None = None) -> torch.Tensor:
-        """One model call over the batch (slots appended); logits ``[n, vocab]`` of the ``n`` requests whose
-        context the step reaches the end of, in batch order. ``drawn``: the previous step's tokens, for the
-        requests whose last context token is one of them."""
+    def run(self, batch: Batch, drawn: Drawn | None = None, *, greedy: bool = False
+            ) -> tuple[torch.Tensor, bool]:
+        """One model call over the batch (slots appended) for the ``n`` requests whose context the step
+        reaches the end of, in batch order: their logits ``[n, vocab]`` and False or, where ``greedy`` (every
+        request of the batch draws greedily) and the step replays a CUDA graph, their greedy tokens int64
+        ``[n]``, drawn inside the graph, and True. ``drawn``: the previous step's tokens, for the requests
+        whose last context token is one of them."""
         size = self._graph_size(batch)
         if size is not None:
-            return self._run_graph(batch, size, drawn)
+            return self._run_graph(batch, size, drawn, greedy)
         chunks = [(r.request_id, r.num_computed, r.context[r.num_computed:r.num_computed + n])
                   for r, n in batch]
         ends = list(itertools.accumulate(n for _, n in batch))
@@ -137,7 +140,7 @@ class ModelRunner:
         rows = torch.tensor([end - 1 for end, (r, n) in zip(ends, batch, strict=True)
                              if r.num_computed + n == len(r.context)], dtype=torch.int64)
         (rows,) = copy_to_device([rows], self.model.device)
-        return self.model.compute_logits(hidden[rows])
+        return self.model.compute_logits(hidden[rows]), False
 
     def _input_ids(self, tokens: list[int], batch: Batch, last: Sequence[int], drawn: Drawn | None
                    ) -> torch.Tensor:
@@ -194,7 +197,8 @@ class ModelRunner:
         would split short contexts into partitions that are mostly empty."""
         return min(self._max_blocks[name], max(_MIN_GRAPH_WIDTH, 1 << (needed - 1).bit_length()))
 
-    def _run_graph(self, batch: Batch, size: int, drawn: Drawn | None) -> torch.Tensor:
+    def _run_graph(self, batch: Batch, size: int, drawn: Drawn | None, greedy: bool
+                   ) -> tuple[torch.Tensor, bool]:
         model = self.model
         seq_ids = [r.request_id for r, _ in batch]
         # Decode-shaped metadata (no query_start_loc) with block tables as wide as the sequences need: the
@@ -204,11 +208,14 @@ class ModelRunner:
         if self.encoder_decoder:
             metadata["cross"] = self.caches["cross"].decode_metadata(seq_ids, append=False, on_host=True)
         widths = {name: self._graph_width(name, m.block_tables.shape[1]) for name, m in metadata.items()}
-        step = model._graph_step(model._decode_step, self.caches, size, widths, ("serving",))
+        # A batch that only draws greedily draws inside the graph, as generate's graphs do: a few launches
+        # fewer on the host a step, and a few bytes of tokens out instead of the logits.
+        decode_step = model._decode_and_draw if greedy else model._decode_step
+        step = model._graph_step(decode_step, self.caches, size, widths, ("serving", greedy))
         at, sources = _drawn_patch(batch, range(len(batch)), drawn)
         tokens = torch.tensor([r.context[-1] for r, _ in batch])  # [batch]; DRAWN at the rows in ``at``
-        # The graph's own logits buffer, which its next replay overwrites: the caller draws from it first.
-        return step.run_from_host(tokens, metadata, (drawn[0], at, sources) if at else None)
+        # The graph's own output buffer, which its next replay overwrites: the caller copies from it first.
+        return step.run_from_host(tokens, metadata, (drawn[0], at, sources) if at else None), greedy
 
 
 def _drawn_patch(batch: Batch, last: Sequence[int], drawn: Drawn | None) -> tuple[list[int], list[int]]:
