@@ -6,7 +6,8 @@ together (``query_start_loc``), returning the logits of the requests whose conte
 A decoder-only model runs :meth:`PagedDecoderOnlyLM._packed_step`; an encoder-decoder (BART) runs the encoder
 over the prompts the step starts, their K/V into the cross cache, and the decoder over every request's tokens
 in the same call. On CUDA, a step of decodes only replays the model's CUDA graph of the next captured batch
-size up, its rows past the batch padding.
+size up, its rows past the batch padding; where no request of the step samples, the graph draws the greedy
+tokens too.
 
 A step may be launched before the one before it has been read back: a request whose last context token the
 previous step drew holds :data:`~tpkit.serving.request.DRAWN` there on the host, and the step takes that
