@@ -45,7 +45,10 @@ _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 _FP8_CODES = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 
 _lock = threading.Lock()
-_modules: dict[tuple[int, int], ModuleType | None] = {}
+_modules: dict[tuple[int, int], ModuleType | None] = {}  # by compute capability
+# By CUDA device index: a device's capability does not change, and asking torch for it again costs more host
+# time than an eager decode step's small kernels take.
+_device_modules: dict[int, ModuleType | None] = {}
 _warned = False
 
 
@@ -147,10 +150,14 @@ def _find_module(capability: tuple[int, int]) -> ModuleType | None:
 
 
 def _module_for(device: torch.device) -> ModuleType | None:
-    capability = torch.cuda.get_device_capability(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index in _device_modules:
+        return _device_modules[index]
+    capability = torch.cuda.get_device_capability(index)
     with _lock:
         if capability not in _modules:
             _modules[capability] = _find_module(capability)
+        _device_modules[index] = _modules[capability]
         return _modules[capability]
 
 
