@@ -209,3 +209,34 @@ def test_decode_linear_fp8_op_and_its_cpu_fallback():
     _load(layer, "weight_scale", s)
     layer.bias.data.copy_(bias)
     assert torch.equal(layer(x), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_per_token_activation_quantization_bit_for_bit(dtype):
+    """The float8 product's activations, quantized per token (dynamic, with an upper bound, or a static
+    scale), bit for bit as the scale's definition gives them element by element in float32: a token's amax
+    over 448, the quotient saturated. Rows of zeros, of large values, and with NaN (which stays NaN) among
+    them."""
+    from tpkit.parallel_layers.quantization import _quantize_per_token
+
+    gen = torch.Generator().manual_seed(7)
+    rows = (torch.randn(9, 200, generator=gen) * torch.logspace(-3, 3, 9)[:, None]).to(dtype)
+    rows[2] = 0.0
+    rows[5, 17] = float("nan")
+    cases = [(None, None), (None, 50.0), (torch.tensor([0.25]), None)]
+    for input_scale, bound in cases:
+        quantized, scale = _quantize_per_token(rows, input_scale, bound)
+        expected_scale = torch.empty(9, 1)
+        for t in range(9):
+            if input_scale is not None:
+                expected_scale[t] = input_scale.float()
+                continue
+            amax = max(abs(float(v)) for v in rows[t].float()) if not rows[t].isnan().any() else float("nan")
+            amax = min(amax, bound) if bound is not None and amax == amax else amax
+            expected_scale[t] = max(amax / 448.0, 1e-12) if amax == amax else amax
+        assert torch.equal(scale.isnan(), expected_scale.isnan())
+        assert torch.equal(scale.nan_to_num(-1.0), expected_scale.nan_to_num(-1.0))
+        expected = (rows.float() / expected_scale).clamp(-448.0, 448.0).to(FP8)
+        same = quantized.view(torch.uint8) == expected.view(torch.uint8)
+        assert (same | (quantized.float().isnan() & expected.float().isnan())).all()
+        assert quantized[5].float().isnan().all() if input_scale is None else quantized[5, 17].float().isnan()

@@ -395,20 +395,31 @@ def _scaled_mm_applies(input_: torch.Tensor, weight: torch.Tensor) -> bool:
     return torch.cuda.get_device_capability(input_.device) >= (8, 9)
 
 
+def _quantize_per_token(rows: torch.Tensor, input_scale: torch.Tensor | None,
+                        activation_scale_ub: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows ``[num_tokens, in_features]`` -> (float8 ``saturate(rows / scale)``, float32 scale
+    ``[num_tokens, 1]``): each token's scale its amax (at most ``activation_scale_ub``) over the format's
+    largest value, or the static ``input_scale``. Four passes over the tokens, the division in float32: the
+    amax reduced without a copy of the magnitudes, the division promoting the input as it reads it, the clamp
+    in place."""
+    if input_scale is None:
+        # [num_tokens, 1]
+        amax = torch.linalg.vector_norm(rows, ord=float("inf"), dim=-1, keepdim=True).float()
+        if activation_scale_ub is not None:
+            amax = amax.clamp(max=activation_scale_ub)
+        scale = (amax / _FP8_MAX).clamp(min=_MIN_SCALE)
+    else:
+        scale = input_scale.float().expand(rows.shape[0], 1).contiguous()
+    return torch.div(rows, scale).clamp_(-_FP8_MAX, _FP8_MAX).to(_FP8), scale
+
+
 def _fp8_product(input_: torch.Tensor, weight: torch.Tensor, row_scales: torch.Tensor,
                  bias: torch.Tensor | None, input_scale: torch.Tensor | None,
                  activation_scale_ub: float | None) -> torch.Tensor:
     """``input_ @ (weight * row_scales[:, None]).T + bias`` on float8 tensor cores, the input quantized per
     token (or with the static ``input_scale``), both scales applied in the product's epilogue."""
     rows = input_.reshape(-1, input_.shape[-1])  # [num_tokens, in_features]
-    if input_scale is None:
-        amax = rows.abs().amax(dim=-1, keepdim=True).float()  # [num_tokens, 1]
-        if activation_scale_ub is not None:
-            amax = amax.clamp(max=activation_scale_ub)
-        scale_a = (amax / _FP8_MAX).clamp(min=_MIN_SCALE)
-    else:
-        scale_a = input_scale.float().expand(rows.shape[0], 1).contiguous()
-    quantized = (rows.float() / scale_a).clamp(-_FP8_MAX, _FP8_MAX).to(_FP8)
+    quantized, scale_a = _quantize_per_token(rows, input_scale, activation_scale_ub)
     out = torch._scaled_mm(quantized, weight.t(), scale_a=scale_a, scale_b=row_scales.float().view(1, -1),
                            out_dtype=input_.dtype)
     if bias is not None:
