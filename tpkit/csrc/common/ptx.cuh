@@ -97,6 +97,22 @@ __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&r)[2], uint32_t add
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
 }
 
+// A 16- or 8-byte load of data read once (a decode product's weights): through the non-coherent path and
+// without a place in L1, which then keeps what is read again (the input rows).
+__device__ __forceinline__ uint4 load_streaming(const uint4* ptr) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(ptr));
+  return v;
+}
+
+__device__ __forceinline__ uint2 load_streaming(const uint2* ptr) {
+  uint2 v;
+  asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(ptr));
+  return v;
+}
+
 // d += a * b for a 16x16 (row-major) by 16x8 (column-major) tile, float32 accumulators.
 template <bool kBF16>
 __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {

@@ -38,10 +38,109 @@ __device__ __forceinline__ void multiply_loaded(float (&c)[4], const uint4 w, co
   mma_m16n8k16<kBF16>(c, a1, w.z, w.w);
 }
 
+// One step with the operands swapped, for at most 8 input rows: the lane's 16 bytes of weight rows r (lower,
+// the first group's) and r + 8 (upper, the second group's) as A, its 16 bytes of input row r as B, so that
+// one m16n8k16 product covers 16 features and none of its rows is padding: half the products of
+// multiply_loaded for the same weight bytes.
+template <bool kBF16>
+__device__ __forceinline__ void multiply_swapped(float (&c)[4], const uint4 lower, const uint4 upper,
+                                                 const uint4 x) {
+  const uint32_t a0[4] = {lower.x, upper.x, lower.y, upper.y};
+  const uint32_t a1[4] = {lower.z, upper.z, lower.w, upper.w};
+  mma_m16n8k16<kBF16>(c, a0, x.x, x.y);
+  mma_m16n8k16<kBF16>(c, a1, x.z, x.w);
+}
+
 template <bool kBF16, bool kUpperRows>
 __device__ __forceinline__ void multiply_step(float (&c)[4], const uint4* __restrict__ weight,
                                               const uint4* __restrict__ lower, const uint4* __restrict__ upper) {
   multiply_loaded<kBF16, kUpperRows>(c, *weight, lower, upper);
+}
+
+// Warp `split` of a group's kSplits: weight rows n0 + r times input rows r and r + 8 (kUpperRows) over the
+// split-th share of in_features, into c (multiply_loaded's layout).
+template <typename T, int kSplits, bool kUpperRows, bool kFp8Weight>
+__device__ __forceinline__ void multiply_rows(float (&c)[4], const tpkit_decode_linear_args& a, int split, int n0,
+                                              int r, int t) {
+  constexpr bool kBF16 = DTypeTraits<T>::kIsBF16;
+  constexpr int kUnits = kLinearStep * sizeof(T) / 16;  // 16-byte units a step advances a row by
+  const int steps = a.in_features / kLinearStep;
+  const T* input = static_cast<const T*>(a.input);
+  const int64_t row_start = static_cast<int64_t>(n0 + r) * a.in_features;
+  // Rows past num_rows read the last row again: in bounds, and their sums are never stored.
+  const uint4* __restrict__ lower = reinterpret_cast<const uint4*>(input + min(r, a.num_rows - 1) * a.input_stride) + t;
+  const uint4* __restrict__ upper =
+      reinterpret_cast<const uint4*>(input + min(r + 8, a.num_rows - 1) * a.input_stride) + t;
+  if constexpr (kFp8Weight) {
+    const uint8_t* weight_row = static_cast<const uint8_t*>(a.weight) + row_start;
+    if (steps % 2 == 0) {
+      // 16-byte loads, one per pair of steps (64 columns): a lane's 16 weights are the row's columns
+      // 16t .. 16t + 15, whose inputs are the pair's 16-byte units 2t and 2t + 1 (lower + t is unit 2t).
+      const uint4* __restrict__ weight = reinterpret_cast<const uint4*>(weight_row) + t;
+      const int pairs = steps / 2;
+#pragma unroll 1
+      for (int pair = split * pairs / kSplits; pair < (split + 1) * pairs / kSplits; ++pair) {
+        const uint4 w = weight[pair * 4];
+        const int u = 2 * pair * kUnits + t;
+        multiply_loaded<kBF16, kUpperRows>(c, fp8x8_to<T>(make_uint2(w.x, w.y)), lower + u, upper + u);
+        multiply_loaded<kBF16, kUpperRows>(c, fp8x8_to<T>(make_uint2(w.z, w.w)), lower + u + 1, upper + u + 1);
+      }
+    } else {
+      // 8-byte units: a step advances a float8 row by 32 bytes, a lane's 8 weights at unit t.
+      const uint2* __restrict__ weight = reinterpret_cast<const uint2*>(weight_row) + t;
+#pragma unroll 4
+      for (int step = split * steps / kSplits; step < (split + 1) * steps / kSplits; ++step) {
+        const int u = step * kUnits;
+        multiply_loaded<kBF16, kUpperRows>(c, fp8x8_to<T>(weight[step * 4]), lower + u, upper + u);
+      }
+    }
+  } else {
+    const uint4* __restrict__ weight = reinterpret_cast<const uint4*>(static_cast<const T*>(a.weight) + row_start) + t;
+#pragma unroll 4
+    for (int step = split * steps / kSplits; step < (split + 1) * steps / kSplits; ++step) {
+      const int u = step * kUnits;
+      multiply_step<kBF16, kUpperRows>(c, weight + u, lower + u, upper + u);
+    }
+  }
+}
+
+// Float8 weights, at most 8 input rows: warp `share` of a block's kShares multiplies weight rows
+// lower_n0 + r and upper_n0 + r (the two groups' 8 each) by input row r over the share-th share of
+// in_features, into c (multiply_swapped's layout): half the products and input loads of multiply_rows for the
+// same weight bytes. Float8 weights only: a 16-bit weight brings twice the bytes a product, and its stream
+// bounds the kernel either way.
+template <typename T, int kShares>
+__device__ __forceinline__ void multiply_swapped_rows(float (&c)[4], const tpkit_decode_linear_args& a, int share,
+                                                      int lower_n0, int upper_n0, int r, int t) {
+  constexpr bool kBF16 = DTypeTraits<T>::kIsBF16;
+  constexpr int kUnits = kLinearStep * sizeof(T) / 16;
+  const int steps = a.in_features / kLinearStep;
+  const uint8_t* weight = static_cast<const uint8_t*>(a.weight);
+  const int64_t lower_start = static_cast<int64_t>(lower_n0 + r) * a.in_features;
+  const int64_t upper_start = static_cast<int64_t>(upper_n0 + r) * a.in_features;
+  const uint4* __restrict__ x =
+      reinterpret_cast<const uint4*>(static_cast<const T*>(a.input) + min(r, a.num_rows - 1) * a.input_stride) + t;
+  if (steps % 2 == 0) {
+    // A lane's 16 weights of each row a pair of steps, as in multiply_rows.
+    const uint4* __restrict__ lower = reinterpret_cast<const uint4*>(weight + lower_start) + t;
+    const uint4* __restrict__ upper = reinterpret_cast<const uint4*>(weight + upper_start) + t;
+    const int pairs = steps / 2;
+#pragma unroll 2
+    for (int pair = share * pairs / kShares; pair < (share + 1) * pairs / kShares; ++pair) {
+      const uint4 lw = load_streaming(lower + pair * 4), uw = load_streaming(upper + pair * 4);
+      const int u = 2 * pair * kUnits + t;
+      multiply_swapped<kBF16>(c, fp8x8_to<T>(make_uint2(lw.x, lw.y)), fp8x8_to<T>(make_uint2(uw.x, uw.y)), x[u]);
+      multiply_swapped<kBF16>(c, fp8x8_to<T>(make_uint2(lw.z, lw.w)), fp8x8_to<T>(make_uint2(uw.z, uw.w)), x[u + 1]);
+    }
+  } else {
+    const uint2* __restrict__ lower = reinterpret_cast<const uint2*>(weight + lower_start) + t;
+    const uint2* __restrict__ upper = reinterpret_cast<const uint2*>(weight + upper_start) + t;
+#pragma unroll 4
+    for (int step = share * steps / kShares; step < (share + 1) * steps / kShares; ++step) {
+      multiply_swapped<kBF16>(c, fp8x8_to<T>(load_streaming(lower + step * 4)),
+                              fp8x8_to<T>(load_streaming(upper + step * 4)), x[step * kUnits]);
+    }
+  }
 }
 
 // What a block does with its sums (decode_linear.h): store them, combine gate and up (SwiGLU), rotate q
@@ -67,11 +166,14 @@ __global__ void __launch_bounds__(kLinearRowGroups * kSplits * 32,
   constexpr bool kRotaryCache = kEpilogue == LinearEpilogue::kRotaryCache || kFp8Cache;
   constexpr bool kResidualNorm = kEpilogue == LinearEpilogue::kResidualNorm;
   using Traits = DTypeTraits<T>;
-  __shared__ float partial[kLinearRowGroups][kSplits][16][8];  // [group][split][row m][feature n]
+  // Float8 weights and at most 8 input rows: every warp of the block multiplies both groups' rows
+  // (multiply_swapped_rows) over its share of in_features; else a group's kSplits warps share its rows.
+  constexpr bool kSwapped = kFp8Weight && !kUpperRows;
+  constexpr int kShares = kSwapped ? kLinearRowGroups * kSplits : kSplits;
+  __shared__ float partial[kLinearRowGroups][kShares][16][8];  // [group][share][row m][feature n]
   __shared__ float squares[kResidualNorm ? 16 : 1][16];        // [row m][the block's feature]: x^2
   __shared__ float row_scale[16];                              // each row's RMSNorm scale (rms_sums)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int group = warp / kSplits, split = warp % kSplits;
   const int r = lane / 4, t = lane % 4;  // a lane's row (of input and of weight) and its 16 bytes a step
   // The block's first feature of each group: with kSiLUAndMul, the gate's features (as many as the up
   // projection's) are a.out_features / 2; with kRotaryCache, a q or k head takes head_size / 16 blocks.
@@ -79,9 +181,12 @@ __global__ void __launch_bounds__(kLinearRowGroups * kSplits * 32,
   const bool rotates = kRotaryCache && blockIdx.x * 16 < a.rotary_features;
   const int head_blocks = kRotaryCache ? a.head_size / 16 : 1;
   const int rotary_n0 = kRotaryCache ? blockIdx.x / head_blocks * a.head_size + blockIdx.x % head_blocks * 8 : 0;
-  int n0 = (blockIdx.x * kLinearRowGroups + group) * 8;
-  if constexpr (kSiLUAndMul) n0 = blockIdx.x * 8 + (group == 0 ? 0 : a.out_features / 2);
-  if constexpr (kRotaryCache) n0 = rotates ? rotary_n0 + (group == 0 ? 0 : half_head) : n0;
+  const int block = blockIdx.x;
+  auto first_feature = [&](int g) {
+    if (kSiLUAndMul) return block * 8 + (g == 0 ? 0 : a.out_features / 2);
+    if (rotates) return rotary_n0 + (g == 0 ? 0 : half_head);
+    return (block * kLinearRowGroups + g) * 8;
+  };
   // In the split RMSNorm's kernels, what the epilogue reads besides the sums is asked for now, so that its
   // latency hides behind the weight's stream rather than adding to the epilogue's: a row's sum
   // of squares (threads 0-15), and the residual and norm weight of the thread's first epilogue element (its
@@ -100,41 +205,28 @@ __global__ void __launch_bounds__(kLinearRowGroups * kSplits * 32,
     first_norm_weight = Traits::to_float(static_cast<const T*>(a.norm_weight)[first_n]);
   }
   float c[4] = {0.f, 0.f, 0.f, 0.f};
-  if (n0 < a.out_features) {
-    const int steps = a.in_features / kLinearStep;
-    const int begin = split * steps / kSplits, end = (split + 1) * steps / kSplits;
-    constexpr int kUnits = kLinearStep * sizeof(T) / 16;  // 16-byte units a step advances a row by
-    const T* input = static_cast<const T*>(a.input);
-    const int64_t row_start = static_cast<int64_t>(n0 + r) * a.in_features;
-    // Rows past num_rows read the last row again: in bounds, and their sums are never stored.
-    const uint4* __restrict__ lower =
-        reinterpret_cast<const uint4*>(input + min(r, a.num_rows - 1) * a.input_stride) + t;
-    const uint4* __restrict__ upper =
-        reinterpret_cast<const uint4*>(input + min(r + 8, a.num_rows - 1) * a.input_stride) + t;
-    if constexpr (kFp8Weight) {
-      // 8-byte units: a step advances a float8 row by 32 bytes, a lane's 8 weights at unit t.
-      const uint2* __restrict__ weight =
-          reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(a.weight) + row_start) + t;
-#pragma unroll 4
-      for (int step = begin; step < end; ++step) {
-        const int u = step * kUnits;
-        multiply_loaded<Traits::kIsBF16, kUpperRows>(c, fp8x8_to<T>(weight[step * 4]), lower + u, upper + u);
-      }
-    } else {
-      const uint4* __restrict__ weight =
-          reinterpret_cast<const uint4*>(static_cast<const T*>(a.weight) + row_start) + t;
-#pragma unroll 4
-      for (int step = begin; step < end; ++step) {
-        const int u = step * kUnits;
-        multiply_step<Traits::kIsBF16, kUpperRows>(c, weight + u, lower + u, upper + u);
-      }
+  if constexpr (kSwapped) {
+    const int lower_n0 = first_feature(0), upper_n0 = first_feature(1);
+    // A second group past the last feature reads the first group's rows again: in bounds, never stored.
+    if (lower_n0 < a.out_features) {
+      multiply_swapped_rows<T, kShares>(c, a, warp, lower_n0, upper_n0 < a.out_features ? upper_n0 : lower_n0, r,
+                                        t);
     }
+    // c: feature r of the first group (c[0], c[1]) and of the second (c[2], c[3]), input rows 2t and 2t + 1.
+    partial[0][warp][2 * t][r] = c[0];
+    partial[0][warp][2 * t + 1][r] = c[1];
+    partial[1][warp][2 * t][r] = c[2];
+    partial[1][warp][2 * t + 1][r] = c[3];
+  } else {
+    const int group = warp / kSplits, split = warp % kSplits;
+    const int n0 = first_feature(group);
+    if (n0 < a.out_features) multiply_rows<T, kSplits, kUpperRows, kFp8Weight>(c, a, split, n0, r, t);
+    // c: input rows r and r + 8, features 2t and 2t + 1 of the group's 8.
+    partial[group][split][r][2 * t] = c[0];
+    partial[group][split][r][2 * t + 1] = c[1];
+    partial[group][split][r + 8][2 * t] = c[2];
+    partial[group][split][r + 8][2 * t + 1] = c[3];
   }
-  // c: rows r and r + 8, features 2t and 2t + 1 of the group's 8.
-  partial[group][split][r][2 * t] = c[0];
-  partial[group][split][r][2 * t + 1] = c[1];
-  partial[group][split][r + 8][2 * t] = c[2];
-  partial[group][split][r + 8][2 * t + 1] = c[3];
   if (reads_rms_sum) {
     const float sum = static_cast<float>(kHoisted ? rms_sum : a.rms_sums[threadIdx.x]);
     row_scale[threadIdx.x] = rsqrtf(sum / a.in_features + a.eps);
@@ -147,7 +239,7 @@ __global__ void __launch_bounds__(kLinearRowGroups * kSplits * 32,
   auto product = [&](int g, int m, int j, int n) {
     float sum = 0.f;
 #pragma unroll
-    for (int s = 0; s < kSplits; ++s) sum += partial[g][s][m][j];
+    for (int s = 0; s < kShares; ++s) sum += partial[g][s][m][j];
     if (a.rms_sums != nullptr) sum *= row_scale[m];
     if constexpr (kFp8Weight) sum *= a.weight_scale[n];
     return bias != nullptr ? sum + Traits::to_float(bias[n]) : sum;
