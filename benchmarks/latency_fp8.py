@@ -63,6 +63,20 @@ def token_divergence(tokens: list[list[int]], reference: list[list[int]]) -> dic
     return {"positions_equal": token_agreement(tokens, reference), "before_divergence": firsts}
 
 
+@torch.no_grad()
+def teacher_forced_agreement(model: PagedLM, prompts: list[list[int]], reference: list[list[int]]) -> float:
+    """The share of the reference's generated positions whose token is ``model``'s greedy choice after the
+    reference's own prefix: every sequence (its prompt and ``reference`` tokens) scored in one forward, so
+    that a position that differs does not change the ones after it."""
+    equal = total = 0
+    for prompt, tokens in zip(prompts, reference, strict=True):
+        sequence = torch.tensor([prompt + tokens[:-1]], device=model.device)  # [1, prompt + new - 1]
+        predicted = model(sequence)[0, len(prompt) - 1:].argmax(-1)  # [new]: the token after each prefix
+        equal += int((predicted == torch.tensor(tokens, device=model.device)).sum())
+        total += len(tokens)
+    return equal / total
+
+
 def fp8_latency(setup: Setup, args: argparse.Namespace, config: dict, prompts: list[list[int]],
                 bandwidth: float) -> dict:
     """The float8 model's result (``rows`` and floors, as ``timed_model`` gives them; ``prefill``), with
@@ -78,12 +92,17 @@ def fp8_latency(setup: Setup, args: argparse.Namespace, config: dict, prompts: l
     dequantize_into(model, fp8)  # from here the reference of the float8 model's tokens
     print("  reference: the dequantized float8 weights, eager ...", flush=True)
     reference_tokens = model.generate(prompts, setup.output_len, ignore_eos=True)
+    # The reference's own tokens scored by its forward: the same weights through the prefill's kernels, whose
+    # rounding differs from the decode steps' only in the order of the sums.
+    rescored = teacher_forced_agreement(model, prompts, reference_tokens)
     del model  # one model on the device from here
     free_memory(setup)
     fp8.kv_cache_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else None
     result, tokens = timed_model(setup, args, fp8, prompts, bandwidth, "tpkit")
     result["prefill"] = prefill_row(setup, fp8, long_prompts, "tpkit fp8 prefill")
     result["fp8_vs_bf16"] = fp8_comparison(result, baseline, dtype, tokens, reference_tokens, baseline_tokens)
+    result["fp8_vs_bf16"]["teacher_forced"] = {
+        "fp8": teacher_forced_agreement(fp8, prompts, reference_tokens), "reference_rescored": rescored}
     return result
 
 
@@ -153,3 +172,8 @@ def print_comparison(latency: dict, batch: int, output_len: int) -> None:
                   f"{agreement[key]['positions_equal']:.1%} of positions equal; positions before the first "
                   f"difference: {agreement[key]['before_divergence']}")
     print(f"goal: at least {AGREEMENT_GOAL:.0%} of positions equal to the dequantized weights' tokens")
+    forced = comparison.get("teacher_forced")
+    if forced:
+        print(f"each position scored after the dequantized reference's own prefix (one forward a sequence): fp8 "
+              f"picks the reference's token at {forced['fp8']:.1%} of positions; the reference's forward, on "
+              f"its own tokens, at {forced['reference_rescored']:.1%}")

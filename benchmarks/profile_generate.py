@@ -7,7 +7,8 @@ Builds the Llama model of bench_latency.py (random bf16 weights, batch 8, 128 pr
 ``generate`` once to warm up (captures the graph, compiles), then once more under ``torch.profiler``. Prints
 the GPU time per kind of kernel (GEMM, attention, cache write, everything else) and per kernel, per
 decode step against the weight-read floor. The kernels of CUDA-graph replays are recorded like any others.
-``--quantization`` and ``--kv-cache-dtype`` build the model as bench_latency.py's options of those names do.
+``--quantization`` and ``--kv-cache-dtype`` build the model as bench_latency.py's options of those names do;
+``--output-len 1`` profiles the prefill alone (``--input-len 1024 --output-len 1 --no-graph``).
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def main() -> None:
     for name, durations in per_kernel.items():
         by_kind[_kind(name)] += sum(durations)
 
-    steps = args.output_len - 1
+    steps = max(args.output_len - 1, 1)  # --output-len 1: the prefill alone, shown as one step
     copy_gbps = BASELINE["copy_bandwidth_GBps"]  # the H200 baseline's copy bandwidth
     copy_floor_ms = weight_bytes / (copy_gbps * 1e9) * 1e3
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; options {options}; "
