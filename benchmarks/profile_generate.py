@@ -22,7 +22,7 @@ from bench_latency import BASELINE, LLAMA3_8B
 from torch.profiler import ProfilerActivity, profile
 
 from tpkit.models import LlamaForCausalLM
-from tpkit.ops import decode_linear_fp8
+from tpkit.ops import decode_linear_fp8, quantize_per_token_fp8
 from tpkit.parallel_layers import Fp8LinearMethod
 
 KINDS = (  # first match wins; matched against the lower-cased kernel name
@@ -58,8 +58,10 @@ def main() -> None:
         parser.error("needs a CUDA GPU")
 
     torch.manual_seed(0)
-    quant_method = (Fp8LinearMethod("channel", decode_op=decode_linear_fp8) if args.quantization == "fp8"
-                    else None)
+    quant_method = None
+    if args.quantization == "fp8":
+        quant_method = Fp8LinearMethod("channel", decode_op=decode_linear_fp8,
+                                       quantize_op=quantize_per_token_fp8)
     model = LlamaForCausalLM(LLAMA3_8B, dtype=torch.bfloat16, device="cuda", quant_method=quant_method).eval()
     model.kv_cache_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else None
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

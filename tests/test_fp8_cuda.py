@@ -1,8 +1,9 @@
 """Float8 on a CUDA GPU: the quantizing cache write's kernel bit for bit against the PyTorch reference,
 attention over a float8 cache, the float8 tensor-core product of Fp8LinearMethod against the dequantized
-weight's, the decode kernel's fused epilogues on float8 weights (and the qkv one's float8 cache write) against
-their PyTorch references, a float8 Llama's fused decode step, and all of them inside CUDA graphs. Skipped
-without a GPU."""
+weight's, the per-token activation quantization's kernel bit for bit against its PyTorch implementation, the
+decode kernel's fused epilogues on float8 weights (and the qkv one's float8 cache write) against their
+PyTorch references, a float8 Llama's fused decode step, and all of them inside CUDA graphs. Skipped without
+a GPU."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ from cuda_graphs import capture
 
 from tpkit.attention import Attention, PagedKVCache, paged_attention
 from tpkit.models import LlamaForCausalLM, llama
-from tpkit.ops import _extension, decode_linear_fp8, decode_linear_silu_and_mul
+from tpkit.ops import _extension, decode_linear_fp8, decode_linear_silu_and_mul, quantize_per_token_fp8
+from tpkit.ops.fp8_quantize import _quantize_reference
 from tpkit.ops.linear import _qkv_rope_cache_reference, _residual_norm_reference, _silu_and_mul_reference
 from tpkit.ops.paged_attention_reference import paged_attention_reference, reshape_and_cache_reference
 from tpkit.parallel_layers import Fp8LinearMethod, MergedColumnParallelLinear, RowParallelLinear
+from tpkit.parallel_layers.quantization import _fp8_product
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -111,7 +114,7 @@ def test_fp8_tensor_core_product_within_the_activation_rounding(scheme, static):
     with the static scale) rounds each input by at most 2^-4 relative, so |error| <= 2^-4 |x| @ |W|^T plus
     the bfloat16 output's rounding."""
     torch.manual_seed(2)
-    method = Fp8LinearMethod(scheme, static_input_scale=static)
+    method = Fp8LinearMethod(scheme, static_input_scale=static, quantize_op=quantize_per_token_fp8)
     layer = MergedColumnParallelLinear(256, [128, 256], bias=True, params_dtype=torch.bfloat16, device="cuda",
                                        quant_method=method)
     if static:
@@ -133,13 +136,125 @@ def test_fp8_tensor_core_product_within_the_activation_rounding(scheme, static):
         assert torch.equal(row(x), expected)
 
 
+# The activation quantization's row widths: a vector, three, a block's and more than a block holds in
+# registers (32768 features), so that it reads the row a second time.
+QUANTIZE_WIDTHS = [8, 24, 4096, 14336, 28672, 40960]
+# Bit patterns of a negative NaN, which a float assignment would make positive.
+NEGATIVE_NAN = {torch.bfloat16: -64, torch.float16: -512}  # 0xffc0, 0xfe00
+
+
+def _activation_rows(num_rows: int, features: int, dtype: torch.dtype, seed: int, pad: int) -> torch.Tensor:
+    """Rows [num_rows, features] (num_rows >= 9) of dtype, a view of rows pad elements wider (strided rows
+    where pad), their magnitudes from 1e-4 to 1e4 row by row, and first the rows the quantization takes
+    apart: zeros, negative zeros, a NaN, infinities, the dtype's largest values, its subnormals, a NaN of
+    each sign."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    wide = torch.randn(num_rows, features + pad, device="cuda", generator=gen)
+    wide *= torch.logspace(-4, 4, num_rows, device="cuda")[:, None]
+    rows = wide.to(dtype)[:, pad:]  # [num_rows, features]
+    info = torch.finfo(dtype)
+    rows[0] = 0.0
+    rows[1] = -0.0
+    rows[2, features // 2] = float("nan")
+    rows[3, -1] = float("inf")
+    rows[4, 0], rows[4, -1] = -float("inf"), float("inf")
+    rows[5] = rows[5].sign() * info.max
+    rows[6] = rows[6].sign() * (info.smallest_normal / 4)
+    rows[7, 0] = float("nan")
+    rows[7].view(torch.int16)[-1] = NEGATIVE_NAN[dtype]
+    rows[8, 1] = -float("inf")
+    return rows
+
+
+def _assert_quantized_alike(rows: torch.Tensor, input_scale: torch.Tensor | None,
+                            bound: float | None) -> None:
+    """The kernel's float8 rows and scales are the PyTorch path's, bit for bit."""
+    out = torch.empty(rows.shape, dtype=torch.float8_e4m3fn, device="cuda")  # [num_rows, features]
+    scale = torch.empty(rows.shape[0], 1, device="cuda")  # [num_rows, 1]
+    assert _extension.quantize_per_token_fp8(out, scale, rows, input_scale, bound)
+    expected, expected_scale = _quantize_reference(rows, input_scale, bound)
+    where = f"{rows.dtype} {list(rows.shape)} {rows.stride()}, input_scale {input_scale}, bound {bound}"
+    assert torch.equal(scale.view(torch.int32), expected_scale.view(torch.int32)), where
+    assert torch.equal(out.view(torch.uint8), expected.view(torch.uint8)), where
+
+
+@pytest.mark.parametrize("features", QUANTIZE_WIDTHS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_activation_quantization_kernel_bit_for_bit(dtype, features):
+    """The per-token float8 quantization's kernel against its PyTorch implementation on the GPU, the float8
+    values and the float32 scales bit for bit, NaN included: dynamic scales, bounded amaxes (one bound
+    below every row's amax), static scales (zero, negative and infinite ones too), contiguous and strided
+    rows, and 0 rows through the op."""
+    cases = [(None, None), (None, 50.0), (None, 1e-30)]
+    cases += [(torch.tensor(value, device="cuda"), None) for value in (0.25, 3e-3, 0.0, -0.5, float("inf"))]
+    cases.append((torch.tensor([1e-5], device="cuda"), None))
+    for pad in (0, 8):
+        rows = _activation_rows(24, features, dtype, features + pad, pad)
+        for input_scale, bound in cases:
+            _assert_quantized_alike(rows, input_scale, bound)
+    empty = torch.empty(0, features, dtype=dtype, device="cuda")
+    _assert_quantized_alike(empty, None, None)
+    quantized, scale = quantize_per_token_fp8(empty)
+    assert quantized.shape == (0, features) and scale.shape == (0, 1)
+
+
+@pytest.mark.parametrize("num_rows,features", [(8192, 2048), (4096, 4096), (1200, 14336)])
+def test_activation_quantization_kernel_on_a_prefills_rows(num_rows, features):
+    """A prefill's rows, enough that a thread holds 8 vectors (a warp a row, two, seven): bit for bit, and
+    the op replayed from a CUDA graph."""
+    rows = (torch.randn(num_rows, features, device="cuda") * 3).bfloat16()
+    _assert_quantized_alike(rows, None, None)
+    _assert_quantized_alike(rows, torch.tensor(0.02, device="cuda"), None)
+    graph, (quantized, scale) = capture(lambda: quantize_per_token_fp8(rows, None, 8.0))
+    rows.copy_(torch.randn(num_rows, features, device="cuda") * 5)
+    graph.replay()
+    expected, expected_scale = _quantize_reference(rows, None, 8.0)
+    assert torch.equal(quantized.view(torch.uint8), expected.view(torch.uint8))
+    assert torch.equal(scale, expected_scale)
+
+
+@pytest.mark.skipif(not _has_fp8_tensor_cores(), reason="needs float8 tensor cores (compute 8.9+)")
+def test_fp8_product_with_the_quantization_kernel_is_the_same_product():
+    """The float8 tensor-core product quantizing its input with the kernel (quantize_op) equals the one
+    quantizing it with the PyTorch path, directly and through a layer (eager and replayed from a graph)."""
+    torch.manual_seed(4)
+    x = (torch.randn(3, 37, 4096, device="cuda") * 2).bfloat16()
+    weight = (torch.randn(1024, 4096, device="cuda") * 100).to(torch.float8_e4m3fn)
+    row_scales = torch.rand(1024, device="cuda") * 1e-3
+    bias = torch.randn(1024, device="cuda").bfloat16()
+    with torch.inference_mode():
+        for input_scale, bound, b in ((None, None, bias), (None, 3.0, None),
+                                      (torch.tensor(0.01, device="cuda"), None, bias)):
+            expected = _fp8_product(x, weight, row_scales, b, input_scale, bound, _quantize_reference)
+            got = _fp8_product(x, weight, row_scales, b, input_scale, bound, quantize_per_token_fp8)
+            assert torch.equal(got, expected)
+    calls = []
+
+    def counted(*args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(1)
+        return quantize_per_token_fp8(*args)
+
+    method = Fp8LinearMethod("channel", quantize_op=counted)
+    layer = MergedColumnParallelLinear(4096, [512, 512], bias=True, params_dtype=torch.bfloat16,
+                                       device="cuda", quant_method=method)
+    with torch.inference_mode():
+        out = layer(x)
+        assert calls
+        method.quantize_op = _quantize_reference
+        assert torch.equal(layer(x), out)
+        method.quantize_op = quantize_per_token_fp8
+        graph, replayed = capture(lambda: layer(x))
+        graph.replay()
+        assert torch.equal(replayed, out)
+
+
 def test_fp8_llama_generates_the_same_tokens_in_graphs():
     config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 256,
               "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 2, "max_position_embeddings": 128, "rms_norm_eps": 1e-6}
     torch.manual_seed(3)
-    model = LlamaForCausalLM(config, dtype=torch.bfloat16, device="cuda",
-                             quant_method=Fp8LinearMethod("channel")).eval()
+    method = Fp8LinearMethod("channel", quantize_op=quantize_per_token_fp8)
+    model = LlamaForCausalLM(config, dtype=torch.bfloat16, device="cuda", quant_method=method).eval()
     model.kv_cache_dtype = torch.float8_e4m3fn
     prompts = [[5, 6, 7, 8], [9, 10]]
     eager = model.generate(prompts, 8, ignore_eos=True)
@@ -316,7 +431,8 @@ def test_fp8_llama_fused_decode_gives_the_layers_tokens(monkeypatch, scheme, cac
               "num_key_value_heads": 2, "max_position_embeddings": 128, "rms_norm_eps": 1e-6}
     torch.manual_seed(6)
     model = LlamaForCausalLM(config, dtype=torch.bfloat16, device="cuda",
-                             quant_method=Fp8LinearMethod(scheme, decode_op=decode_linear_fp8)).eval()
+                             quant_method=Fp8LinearMethod(scheme, decode_op=decode_linear_fp8,
+                                                          quantize_op=quantize_per_token_fp8)).eval()
     model.kv_cache_dtype = cache_dtype
     fused_steps = []
     step = llama.fused_decode_step

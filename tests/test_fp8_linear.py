@@ -211,21 +211,31 @@ def test_decode_linear_fp8_op_and_its_cpu_fallback():
     assert torch.equal(layer(x), expected)
 
 
+def _quantizations() -> dict:
+    """The per-token quantization: its PyTorch implementation, and tpkit's op (on the CPU, that
+    implementation)."""
+    from tpkit.ops import quantize_per_token_fp8
+    from tpkit.ops.fp8_quantize import _quantize_reference
+
+    return {"reference": _quantize_reference, "op": quantize_per_token_fp8}
+
+
+@pytest.mark.parametrize("via", ["reference", "op"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-def test_per_token_activation_quantization_bit_for_bit(dtype):
+def test_per_token_activation_quantization_bit_for_bit(dtype, via):
     """The float8 product's activations, quantized per token (dynamic, with an upper bound, or a static
     scale), bit for bit as the scale's definition gives them element by element in float32: a token's amax
-    over 448, the quotient saturated. Rows of zeros, of large values, and with NaN (which stays NaN) among
-    them."""
-    from tpkit.parallel_layers.quantization import _quantize_per_token
-
+    over 448, the quotient saturated. Rows of zeros, of large values, with NaN (which stays NaN) and with
+    infinities among them; by the PyTorch implementation and through tpkit's op."""
+    quantize = _quantizations()[via]
     gen = torch.Generator().manual_seed(7)
     rows = (torch.randn(9, 200, generator=gen) * torch.logspace(-3, 3, 9)[:, None]).to(dtype)
     rows[2] = 0.0
     rows[5, 17] = float("nan")
+    rows[7, 3], rows[7, 4] = float("inf"), -float("inf")
     cases = [(None, None), (None, 50.0), (torch.tensor([0.25]), None)]
     for input_scale, bound in cases:
-        quantized, scale = _quantize_per_token(rows, input_scale, bound)
+        quantized, scale = quantize(rows, input_scale, bound)
         expected_scale = torch.empty(9, 1)
         for t in range(9):
             if input_scale is not None:
@@ -240,3 +250,39 @@ def test_per_token_activation_quantization_bit_for_bit(dtype):
         same = quantized.view(torch.uint8) == expected.view(torch.uint8)
         assert (same | (quantized.float().isnan() & expected.float().isnan())).all()
         assert quantized[5].float().isnan().all() if input_scale is None else quantized[5, 17].float().isnan()
+
+
+def test_quantize_per_token_fp8_op_on_the_cpu():
+    """tpkit's op on the CPU: its PyTorch implementation for rows with any strides (a row-strided view, a
+    transposed one) and 0 rows, schema and fake implementation (opcheck), a compiled trace, argument checks;
+    its scale is a new tensor even where it is the static input_scale's one value."""
+    from tpkit.ops import quantize_per_token_fp8
+    from tpkit.ops.fp8_quantize import _quantize_reference
+
+    gen = torch.Generator().manual_seed(8)
+    wide = (torch.randn(6, 48, generator=gen) * 30).bfloat16()
+    static = torch.tensor(0.05)
+    for rows in (wide[:, 8:40], wide[:, :6].t(), wide[:0, :16]):
+        for input_scale, bound in ((None, None), (None, 20.0), (static, None)):
+            quantized, scale = quantize_per_token_fp8(rows, input_scale, bound)
+            expected, expected_scale = _quantize_reference(rows, input_scale, bound)
+            assert quantized.shape == rows.shape and scale.shape == (rows.shape[0], 1)
+            assert torch.equal(quantized.view(torch.uint8), expected.view(torch.uint8))
+            assert torch.equal(scale, expected_scale)
+    one = static.reshape(1)
+    _, scale = quantize_per_token_fp8(wide[:1], one)
+    assert scale.untyped_storage().data_ptr() != one.untyped_storage().data_ptr()
+    for args in ((wide[:, :16],), (wide[:, :16], static), (wide[:, :16], None, 20.0)):
+        torch.library.opcheck(torch.ops.tpkit.quantize_per_token_fp8.default, args)
+    compiled = torch.compile(quantize_per_token_fp8, backend="aot_eager", fullgraph=True)
+    eager = quantize_per_token_fp8(wide, None, 20.0)
+    for got, expected in zip(compiled(wide, None, 20.0), eager, strict=True):
+        assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+    with pytest.raises(ValueError, match=r"quantize_per_token_fp8: input: expected \[num_rows, features\], "
+                                         r"got shape \[2, 6, 24\]"):
+        quantize_per_token_fp8(wide.view(2, 6, 24))
+    with pytest.raises(TypeError, match=r"quantize_per_token_fp8: input: expected dtype one of"):
+        quantize_per_token_fp8(wide.to(torch.int32))
+    with pytest.raises(ValueError, match=r"quantize_per_token_fp8: input_scale: expected one floating-point "
+                                         r"value \(a per-tensor scale\), got torch.float32 \[2\]"):
+        quantize_per_token_fp8(wide, torch.ones(2))

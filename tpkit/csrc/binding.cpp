@@ -1,7 +1,8 @@
 // Torch binding of tpkit's CUDA kernels (paged attention, the cache write, the decode linear, the prefill's
-// RoPE and SwiGLU): checks what the kernels rely on, plans, allocates the split-K scratch from the shapes (so
-// it is CUDA-graph safe: the caching allocator serves it under capture too) and launches on the current
-// stream. The kernels themselves are torch-free (paged_attention.h, decode_linear.h, elementwise.h).
+// RoPE and SwiGLU, the float8 product's activation quantization): checks what the kernels rely on, plans,
+// allocates the split-K scratch from the shapes (so it is CUDA-graph safe: the caching allocator serves it
+// under capture too) and launches on the current stream. The kernels themselves are torch-free
+// (paged_attention.h, decode_linear.h, elementwise.h).
 //
 // The rules of the public API, with their messages, are checked in Python (tpkit/ops) before a kernel is
 // called. Here a tensor is checked only for what reading or writing it through its pointer needs: its device,
@@ -13,6 +14,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <map>
@@ -635,6 +637,43 @@ bool silu_and_mul(at::Tensor out, const at::Tensor& input) {
   return true;
 }
 
+// out float8 E4M3 [num_rows, features] and scale float32 [num_rows, 1] of input [num_rows, features] (any row
+// stride, last dim contiguous), quantized per token: each row by its own amax, at most activation_scale_ub,
+// or by input_scale (float32, one element) (elementwise.h); false where the kernel does not take these
+// tensors.
+bool quantize_per_token_fp8(at::Tensor out, at::Tensor scale, const at::Tensor& input,
+                            const std::optional<at::Tensor>& input_scale,
+                            std::optional<double> activation_scale_ub) {
+  const char* op = "quantize_per_token_fp8";
+  const at::Device device = cuda_device(op, "input", input);
+  check_tensor(op, "input", input, device, input.scalar_type(), {kAny, kAny});
+  const int64_t num_rows = input.size(0), features = input.size(1);
+  check_tensor(op, "out", out, device, at::kFloat8_e4m3fn, {num_rows, features});
+  check_tensor(op, "scale", scale, device, at::kFloat, {num_rows, 1});
+  if (!out.is_contiguous() || !scale.is_contiguous() || input.stride(1) != 1) return false;
+  if (input_scale.has_value() && (input_scale->device() != device || input_scale->scalar_type() != at::kFloat ||
+                                  input_scale->numel() != 1)) {
+    return false;
+  }
+  // A finite bound beyond float32's range: torch refuses to convert it, and so does the PyTorch path.
+  const double bound = activation_scale_ub.value_or(INFINITY);
+  if (std::isfinite(bound) && std::abs(bound) > FLT_MAX) return false;
+  tpkit_quantize_fp8_args a{};
+  if (!to_16bit_dtype(input.scalar_type(), &a.dtype)) return false;
+  a.out = out.data_ptr();
+  a.scale = scale.data_ptr<float>();
+  a.input = input.data_ptr();
+  a.static_scale = input_scale.has_value() ? input_scale->data_ptr<float>() : nullptr;
+  a.amax_bound = static_cast<float>(bound);
+  a.num_rows = num_rows;
+  a.features = features;
+  a.input_stride = input.stride(0);
+  if (!tpkit_quantize_fp8_supported(&a)) return false;
+  const c10::cuda::CUDAGuard guard(device);
+  check_launch(tpkit_quantize_fp8_launch(&a, c10::cuda::getCurrentCUDAStream()), "quantize_per_token_fp8");
+  return true;
+}
+
 bool tpkit_paged_attention_supported_int(int dtype_code, int64_t head_size, int64_t block_size, int fp8_code) {
   return dtype_code >= TPKIT_FLOAT16 && dtype_code <= TPKIT_FLOAT32 && head_size <= INT32_MAX &&
          block_size <= INT32_MAX && fp8_code >= TPKIT_FP8_NONE && fp8_code <= TPKIT_FP8_E5M2 &&
@@ -694,4 +733,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "out = silu(gate) * up of input's halves [num_rows, 2 * features]; False where the kernel does not take "
         "these tensors.",
         py::arg("out"), py::arg("input"));
+  m.def("quantize_per_token_fp8", &quantize_per_token_fp8,
+        "out (float8 E4M3) and scale [num_rows, 1] of input [num_rows, features] quantized per token (or with "
+        "input_scale); False where the kernel does not take these tensors.",
+        py::arg("out"), py::arg("scale"), py::arg("input"), py::arg("input_scale") = py::none(),
+        py::arg("activation_scale_ub") = py::none());
 }

@@ -21,15 +21,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from tpkit.loaders import CheckpointError
-from tpkit.ops import decode_linear_fp8
+from tpkit.ops import decode_linear_fp8, quantize_per_token_fp8
 from tpkit.parallel_layers import Fp8LinearMethod, QuantizationMethod
 
 QUANTIZATIONS = ("fp8",)
 
 
 def _fp8(*args: Any, **kwargs: Any) -> Fp8LinearMethod:
-    """An :class:`Fp8LinearMethod` whose decode steps run tpkit's decode kernel on float8 weights."""
-    return Fp8LinearMethod(*args, decode_op=decode_linear_fp8, **kwargs)
+    """An :class:`Fp8LinearMethod` whose decode steps run tpkit's decode kernel on float8 weights and whose
+    float8 tensor-core products quantize their activations with tpkit's kernel."""
+    return Fp8LinearMethod(*args, decode_op=decode_linear_fp8, quantize_op=quantize_per_token_fp8, **kwargs)
 
 
 def quant_method_from_config(config: Mapping[str, Any], quantization: str | None = None,

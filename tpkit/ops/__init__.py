@@ -10,6 +10,8 @@ where they cannot be built, the ops run their PyTorch implementation on the GPU 
 - :mod:`~tpkit.ops.linear`: a decode step's small-batch products (``decode_linear`` and its fused
   variants: SwiGLU, RoPE with the cache write, the RMSNorm split).
 - :mod:`~tpkit.ops.fp8_linear`: ``decode_linear_fp8``, the decode kernel reading float8 weights.
+- :mod:`~tpkit.ops.fp8_quantize`: ``quantize_per_token_fp8``, a float8 product's activations quantized per
+  token.
 - :mod:`~tpkit.ops.rotary`: RoPE: the frequencies (``RotaryEmbedding``) and the rotation (``apply_rotary``).
 - :mod:`~tpkit.ops.norm`: ``RMSNorm``, and ``apply_rms_sums``, the second half of a norm split across two
   products.
@@ -18,6 +20,7 @@ where they cannot be built, the ops run their PyTorch implementation on the GPU 
 
 from tpkit.ops.activation import silu_and_mul
 from tpkit.ops.fp8_linear import decode_linear_fp8
+from tpkit.ops.fp8_quantize import quantize_per_token_fp8
 from tpkit.ops.linear import (
     decode_kernel_applies,
     decode_linear,
@@ -49,6 +52,7 @@ __all__ = [
     "decode_qkv_rope_cache",
     "inverse_frequencies",
     "paged_attention",
+    "quantize_per_token_fp8",
     "reshape_and_cache",
     "rope_parameters",
     "silu_and_mul",

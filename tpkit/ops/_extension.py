@@ -1,5 +1,5 @@
-"""The CUDA kernels of ``csrc/`` (paged attention, the cache write, the decode linear, RoPE and SwiGLU),
-compiled on first use.
+"""The CUDA kernels of ``csrc/`` (paged attention, the cache write, the decode linear, RoPE, SwiGLU and the
+float8 activation quantization), compiled on first use.
 
 The extension is built with ``torch.utils.cpp_extension.load`` (ninja) for the compute capability of the
 GPU it runs on, and cached per (GPU architecture, torch version, CUDA version) in
@@ -376,3 +376,16 @@ def silu_and_mul(out: torch.Tensor, input: torch.Tensor) -> bool:
     take these tensors (float16 or bfloat16, features a multiple of 8, 16-byte aligned rows)."""
     module = _module_for(input.device)
     return module is not None and module.silu_and_mul(out, input)
+
+
+def quantize_per_token_fp8(out: torch.Tensor, scale: torch.Tensor, input: torch.Tensor,
+                           input_scale: torch.Tensor | None = None,
+                           activation_scale_ub: float | None = None) -> bool:
+    """``out`` (``torch.float8_e4m3fn`` ``[num_rows, features]``, contiguous) and ``scale`` (float32
+    ``[num_rows, 1]``) of ``input`` ``[num_rows, features]`` quantized per token, bit for bit as
+    :func:`tpkit.ops.quantize_per_token_fp8`'s PyTorch implementation on the GPU; False where no kernel is
+    available here or it does not take these tensors (float16 or bfloat16, features a multiple of 8, 16-byte
+    aligned rows, a float32 ``input_scale`` of one element on input's device)."""
+    module = _module_for(input.device)
+    return module is not None and module.quantize_per_token_fp8(out, scale, input, input_scale,
+                                                                activation_scale_ub)

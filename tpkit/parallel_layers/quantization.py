@@ -25,8 +25,9 @@ where it has one (tpkit's decode kernel reading the float8 weight, activations u
 on a device of compute capability 8.9 or newer run on float8 tensor cores (``torch._scaled_mm``, the scales
 in its epilogue), the activations quantized per token at each call (dynamic) or with a static
 ``input_scale`` of the checkpoint (one a part; the product uses their maximum, the one scale the shared
-input can have). Elsewhere (the CPU, older GPUs, block scales) the weight is dequantized to the input's
-dtype and multiplied, the activations unquantized.
+input can have), by the method's ``quantize_op`` (``tpkit.ops.quantize_per_token_fp8``). Elsewhere (the CPU,
+older GPUs, block scales, a method without a ``quantize_op``) the weight is dequantized to the input's dtype
+and multiplied, the activations unquantized.
 """
 
 from __future__ import annotations
@@ -96,12 +97,17 @@ class Fp8LinearMethod(QuantizationMethod):
             with the float8 weight and float32 per-row scales, returning the output or None where it does
             not apply (``tpkit.ops.decode_linear_fp8``, tpkit's decode kernel; this package imports no
             kernels); tried first for per-tensor and per-channel scales.
+        quantize_op: the activations' per-token quantization for products on float8 tensor cores,
+            ``quantize_op(rows, input_scale, activation_scale_ub) -> (float8 rows, float32 scales [num_rows,
+            1])`` (``tpkit.ops.quantize_per_token_fp8``); None: those products multiply by the dequantized
+            weight instead.
     """
 
     def __init__(self, weight_scheme: str = "channel", *, block_size: Sequence[int] = (128, 128),
                  static_input_scale: bool = False, activation_scale_ub: float | None = None,
                  quantize_on_load: bool = False, scale_name: str | None = None,
-                 decode_op: Callable[..., torch.Tensor | None] | None = None) -> None:
+                 decode_op: Callable[..., torch.Tensor | None] | None = None,
+                 quantize_op: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
         if weight_scheme not in _SCHEMES:
             raise ValueError(f"Fp8LinearMethod: weight_scheme: expected one of {list(_SCHEMES)}, got "
                              f"{weight_scheme!r}")
@@ -119,6 +125,7 @@ class Fp8LinearMethod(QuantizationMethod):
         self.quantize_on_load = quantize_on_load
         self.scale_name = scale_name or ("weight_scale_inv" if weight_scheme == "block" else "weight_scale")
         self.decode_op = decode_op
+        self.quantize_op = quantize_op
 
     def __repr__(self) -> str:
         block = f", block_size={self.block_size}" if self.weight_scheme == "block" else ""
@@ -263,9 +270,10 @@ class Fp8LinearMethod(QuantizationMethod):
             out = None if self.decode_op is None else self.decode_op(input_, weight, row_scales, bias)
             if out is not None:
                 return out
-        if per_row and _scaled_mm_applies(input_, weight):
+        if per_row and self.quantize_op is not None and _scaled_mm_applies(input_, weight):
             input_scale = layer.input_scale.max() if self.static_input_scale else None
-            return _fp8_product(input_, weight, row_scales, bias, input_scale, self.activation_scale_ub)
+            return _fp8_product(input_, weight, row_scales, bias, input_scale, self.activation_scale_ub,
+                                self.quantize_op)
         dequantized = self.dequantized_weight(layer, input_.dtype)
         return F.linear(input_, dequantized if rows is None else dequantized[rows], bias)
 
@@ -395,31 +403,15 @@ def _scaled_mm_applies(input_: torch.Tensor, weight: torch.Tensor) -> bool:
     return torch.cuda.get_device_capability(input_.device) >= (8, 9)
 
 
-def _quantize_per_token(rows: torch.Tensor, input_scale: torch.Tensor | None,
-                        activation_scale_ub: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """rows ``[num_tokens, in_features]`` -> (float8 ``saturate(rows / scale)``, float32 scale
-    ``[num_tokens, 1]``): each token's scale its amax (at most ``activation_scale_ub``) over the format's
-    largest value, or the static ``input_scale``. Four passes over the tokens, the division in float32: the
-    amax reduced without a copy of the magnitudes, the division promoting the input as it reads it, the clamp
-    in place."""
-    if input_scale is None:
-        # [num_tokens, 1]
-        amax = torch.linalg.vector_norm(rows, ord=float("inf"), dim=-1, keepdim=True).float()
-        if activation_scale_ub is not None:
-            amax = amax.clamp(max=activation_scale_ub)
-        scale = (amax / _FP8_MAX).clamp(min=_MIN_SCALE)
-    else:
-        scale = input_scale.float().expand(rows.shape[0], 1).contiguous()
-    return torch.div(rows, scale).clamp_(-_FP8_MAX, _FP8_MAX).to(_FP8), scale
-
-
 def _fp8_product(input_: torch.Tensor, weight: torch.Tensor, row_scales: torch.Tensor,
                  bias: torch.Tensor | None, input_scale: torch.Tensor | None,
-                 activation_scale_ub: float | None) -> torch.Tensor:
+                 activation_scale_ub: float | None,
+                 quantize_op: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """``input_ @ (weight * row_scales[:, None]).T + bias`` on float8 tensor cores, the input quantized per
-    token (or with the static ``input_scale``), both scales applied in the product's epilogue."""
+    token (or with the static ``input_scale``) by ``quantize_op``, both scales applied in the product's
+    epilogue."""
     rows = input_.reshape(-1, input_.shape[-1])  # [num_tokens, in_features]
-    quantized, scale_a = _quantize_per_token(rows, input_scale, activation_scale_ub)
+    quantized, scale_a = quantize_op(rows, input_scale, activation_scale_ub)
     out = torch._scaled_mm(quantized, weight.t(), scale_a=scale_a, scale_b=row_scales.float().view(1, -1),
                            out_dtype=input_.dtype)
     if bias is not None:

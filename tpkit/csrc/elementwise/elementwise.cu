@@ -32,6 +32,23 @@ cudaError_t launch(void (*bf16)(Args), void (*fp16)(Args), const Args* a, int64_
   return cudaGetLastError();
 }
 
+// The quantization's threads a row: a thread for each kQuantizeVectors of the row's vectors, a warp at the
+// least; where the rows are too few for that to fill the device, more threads a row (fewer vectors each), so
+// that more of each row loads at once.
+cudaError_t quantize_threads(int64_t num_rows, int64_t vectors, int* threads) {
+  int multiprocessors = 0;
+  const cudaError_t err = tpkit::current_device_attribute(cudaDevAttrMultiProcessorCount, &multiprocessors);
+  if (err != cudaSuccess) return err;
+  constexpr int64_t kFullDevice = 1024;  // threads a multiprocessor that keep it busy
+  int64_t per_thread = tpkit::kQuantizeVectors;
+  while (per_thread > 1 && num_rows * ((vectors + per_thread - 1) / per_thread) < kFullDevice * multiprocessors) {
+    per_thread /= 2;
+  }
+  const int64_t needed = (vectors + per_thread - 1) / per_thread;
+  *threads = static_cast<int>(std::min<int64_t>(tpkit::kQuantizeMaxThreads, (needed + 31) / 32 * 32));
+  return cudaSuccess;
+}
+
 }  // namespace
 
 extern "C" {
@@ -55,6 +72,17 @@ int tpkit_silu_and_mul_supported(const tpkit_silu_and_mul_args* a) {
   return is_16bit(a->dtype) && shape_ok && aligned ? 1 : 0;
 }
 
+int tpkit_quantize_fp8_supported(const tpkit_quantize_fp8_args* a) {
+  constexpr int kBytes = 2;
+  using tpkit::aligned16;
+  const bool shape_ok = a->num_rows >= 0 && a->num_rows <= INT32_MAX && a->features > 0 &&
+                        a->features % tpkit::kVector == 0;
+  // No rows: nothing is read or written, and torch gives empty tensors null pointers.
+  const bool pointers = a->num_rows == 0 || (a->out != nullptr && a->scale != nullptr && a->input != nullptr);
+  const bool aligned = aligned16(a->out) && aligned16(a->input) && (a->input_stride * kBytes) % 16 == 0;
+  return is_16bit(a->dtype) && shape_ok && pointers && aligned ? 1 : 0;
+}
+
 cudaError_t tpkit_rotary_launch(const tpkit_rotary_args* a, cudaStream_t stream) {
   if (!tpkit_rotary_supported(a)) return cudaErrorInvalidValue;
   const int64_t vectors = a->num_tokens * a->num_heads * (a->head_size / 2 / tpkit::kVector);
@@ -65,6 +93,18 @@ cudaError_t tpkit_silu_and_mul_launch(const tpkit_silu_and_mul_args* a, cudaStre
   if (!tpkit_silu_and_mul_supported(a)) return cudaErrorInvalidValue;
   const int64_t vectors = a->num_rows * (a->features / tpkit::kVector);
   return launch(tpkit::silu_and_mul_kernel<__nv_bfloat16>, tpkit::silu_and_mul_kernel<__half>, a, vectors, stream);
+}
+
+cudaError_t tpkit_quantize_fp8_launch(const tpkit_quantize_fp8_args* a, cudaStream_t stream) {
+  if (!tpkit_quantize_fp8_supported(a)) return cudaErrorInvalidValue;
+  if (a->num_rows == 0) return cudaSuccess;
+  int threads = 0;
+  const cudaError_t err = quantize_threads(a->num_rows, a->features / tpkit::kVector, &threads);
+  if (err != cudaSuccess) return err;
+  const auto kernel = a->dtype == TPKIT_BFLOAT16 ? tpkit::quantize_fp8_kernel<__nv_bfloat16>
+                                                 : tpkit::quantize_fp8_kernel<__half>;
+  kernel<<<static_cast<unsigned>(a->num_rows), threads, 0, stream>>>(*a);
+  return cudaGetLastError();
 }
 
 }  // extern "C"

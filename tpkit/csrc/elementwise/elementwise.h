@@ -1,7 +1,9 @@
-// C interface of the prefill's element-wise kernels: RoPE of the q and k heads, and SwiGLU's silu(gate) * up.
-// Each rounds where eager PyTorch rounds (every product, sum and activation to the dtype), so that its
-// output is that of the expressions it replaces (tpkit.attention.rotary, tpkit.attention.linear). float16 or
-// bfloat16, 16-byte vectors. No torch: the binding checks tensors and fills the structs.
+// C interface of the prefill's element-wise kernels: RoPE of the q and k heads, SwiGLU's silu(gate) * up, and
+// the per-token float8 quantization of a float8 product's activations. Each rounds where eager PyTorch rounds
+// (every product, sum and activation to the dtype; the quantization's quotient in float32), so that its output
+// is that of the expressions it replaces (tpkit.attention.rotary, tpkit.attention.linear,
+// tpkit.parallel_layers.quantization). float16 or bfloat16, 16-byte vectors. No torch: the binding checks
+// tensors and fills the structs.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -39,14 +41,36 @@ typedef struct {
   int64_t out_stride;
 } tpkit_silu_and_mul_args;
 
+// out[r, j] = saturate(input[r, j] / scale[r]) in float8 E4M3, and scale[r], each bit for bit what the
+// PyTorch expression computes on a GPU (tpkit.parallel_layers.quantization._quantize_per_token), NaN and
+// infinities included. Dynamic (static_scale NULL): scale[r] = max(min(amax, amax_bound) * (1 / 448), 1e-12),
+// amax the row's largest magnitude, NaN where the row holds a NaN (and then scale[r] is NaN; torch.clamp keeps
+// NaN); the product by the float32 reciprocal is how torch divides a CUDA tensor by a Python number. Static:
+// scale[r] = *static_scale for every row. The quotient is IEEE float32 division, saturated to +-448 (NaN stays
+// NaN, with its sign, as torch's conversion keeps it).
+typedef struct {
+  void* out;                  // float8 E4M3 [num_rows, features], contiguous
+  float* scale;               // [num_rows]
+  const void* input;          // [num_rows, features], row stride input_stride, last dim contiguous
+  const float* static_scale;  // one value, or NULL for a scale a row from its amax
+  tpkit_dtype dtype;          // of input
+  float amax_bound;           // the dynamic amax's upper bound; INFINITY for none
+  int64_t num_rows;
+  int64_t features;
+  int64_t input_stride;       // in elements
+} tpkit_quantize_fp8_args;
+
 // 1 when the kernel takes these arguments: float16 or bfloat16; head_size a multiple of 16 (features one of
-// 8); every pointer, and every stride in bytes, a multiple of 16.
+// 8); every tensor's pointer, and every stride in bytes, a multiple of 16 (the quantization's scales: float
+// aligned). The quantization takes at most 2^31 - 1 rows (a thread block each).
 int tpkit_rotary_supported(const tpkit_rotary_args* args);
 int tpkit_silu_and_mul_supported(const tpkit_silu_and_mul_args* args);
+int tpkit_quantize_fp8_supported(const tpkit_quantize_fp8_args* args);
 
 // Launch on `stream` (cudaErrorInvalidValue where the *_supported function says 0).
 cudaError_t tpkit_rotary_launch(const tpkit_rotary_args* args, cudaStream_t stream);
 cudaError_t tpkit_silu_and_mul_launch(const tpkit_silu_and_mul_args* args, cudaStream_t stream);
+cudaError_t tpkit_quantize_fp8_launch(const tpkit_quantize_fp8_args* args, cudaStream_t stream);
 
 #ifdef __cplusplus
 }
