@@ -78,7 +78,7 @@ __device__ __forceinline__ void multiply_rows(float (&c)[4], const tpkit_decode_
       // 16t .. 16t + 15, whose inputs are the pair's 16-byte units 2t and 2t + 1 (lower + t is unit 2t).
       const uint4* __restrict__ weight = reinterpret_cast<const uint4*>(weight_row) + t;
       const int pairs = steps / 2;
-#pragma unroll 1
+#pragma unroll 2
       for (int pair = split * pairs / kSplits; pair < (split + 1) * pairs / kSplits; ++pair) {
         const uint4 w = weight[pair * 4];
         const int u = 2 * pair * kUnits + t;
