@@ -174,6 +174,6 @@ def print_comparison(latency: dict, batch: int, output_len: int) -> None:
     print(f"goal: at least {AGREEMENT_GOAL:.0%} of positions equal to the dequantized weights' tokens")
     forced = comparison.get("teacher_forced")
     if forced:
-        print(f"each position scored after the dequantized reference's own prefix (one forward a sequence): fp8 "
-              f"picks the reference's token at {forced['fp8']:.1%} of positions; the reference's forward, on "
-              f"its own tokens, at {forced['reference_rescored']:.1%}")
+        print(f"each position scored after the dequantized reference's own prefix (one forward a sequence): "
+              f"fp8 picks the reference's token at {forced['fp8']:.1%} of positions; the reference's "
+              f"forward, on its own tokens, at {forced['reference_rescored']:.1%}")
