@@ -8,6 +8,7 @@ before anything is queued.
 from __future__ import annotations
 
 import pytest
+import torch
 from checkpoints import (
     make_bart_checkpoint,
     make_gpt_bigcode_checkpoint,
@@ -354,3 +355,38 @@ def test_decode_steps_through_the_static_step_give_transformers_tokens(checkpoin
     most = -(-model.max_positions // model.kv_block_size)
     assert steps and all(width == most or (width >= 8 and width & (width - 1) == 0)
                          for batch, widths, _ in steps for _, width in widths)
+
+
+def test_cross_decode_metadata_follows_the_cross_cache(checkpoints):
+    """A decode step's cross-attention metadata, kept from the step before while its requests are the same,
+    is the cross cache's own: after a request is freed and started again with another prompt (other blocks,
+    another length), and for another batch."""
+    from tpkit.serving import Engine, SamplingParams
+    from tpkit.serving.request import Request
+
+    path, _ = checkpoints("bart")
+    model = _model(path)
+    runner = Engine(model).runner
+    cross = runner.caches["cross"]
+
+    def request(request_id: int, prompt_len: int) -> Request:
+        prompt = [5 + i % 7 for i in range(prompt_len)]
+        return Request(request_id, prompt, SamplingParams(4), [model.decoder_start_token_id], None, 0.0)
+
+    def assert_current(seq_ids: list[int]) -> None:
+        got = runner._cross_decode_metadata(seq_ids)
+        expected = cross.decode_metadata(seq_ids, append=False, on_host=True)
+        for name in ("slot_mapping", "block_tables", "seq_lens"):
+            assert torch.equal(getattr(got, name), getattr(expected, name)), name
+
+    first, second = request(1, 20), request(2, 35)
+    assert runner.start(first) and runner.start(second)
+    assert_current([1, 2])
+    kept = runner._cross_decode_metadata([1, 2])
+    assert runner._cross_decode_metadata([1, 2]) is kept
+    runner.free(first)
+    spacer = request(3, 40)  # takes the blocks the first request freed
+    assert runner.start(spacer) and runner.start(request(1, 50))
+    assert_current([1, 2])
+    assert_current([2, 3])
+    assert_current([1, 2, 3])

@@ -48,6 +48,9 @@ class ModelRunner:
         self.graph_sizes = sorted(graph_sizes)
         self._max_blocks = {name: -(-model.max_positions // self.block_size) for name in self.caches}
         self._to_encode: dict[int, list[int]] = {}  # the prompts of the requests the next step encodes
+        # The last decode step's cross-attention metadata and its sequences: the cross cache changes only
+        # when a request starts or is freed, so consecutive steps of the same requests share it.
+        self._cross_decode: tuple[tuple[int, ...], AttentionMetadata] | None = None
 
     def capacity_error(self, request: Request) -> str | None:
         """Why the request could never fit the caches, even alone; None if it can."""
@@ -67,6 +70,7 @@ class ModelRunner:
         """Give a waiting request its sequences (False, and nothing held, when blocks run out); sets
         ``num_computed`` to its context's tokens found in the prefix cache."""
         seq_id = request.request_id
+        self._cross_decode = None
         request.num_computed = self.caches["self"].add_sequence(
             seq_id, request.context if self.prefix_caching else None)
         if not self.encoder_decoder:
@@ -113,6 +117,7 @@ class ModelRunner:
     def free(self, request: Request) -> None:
         """Let the request's blocks go (those the prefix cache knows stay cached)."""
         self._to_encode.pop(request.request_id, None)
+        self._cross_decode = None
         for cache in self.caches.values():
             if request.request_id in cache:
                 cache.free(request.request_id)
@@ -198,6 +203,15 @@ class ModelRunner:
         would split short contexts into partitions that are mostly empty."""
         return min(self._max_blocks[name], max(_MIN_GRAPH_WIDTH, 1 << (needed - 1).bit_length()))
 
+    def _cross_decode_metadata(self, seq_ids: list[int]) -> AttentionMetadata:
+        """The cross cache's decode metadata of ``seq_ids`` on the host (nothing appended): the last step's
+        where its sequences were the same."""
+        key = tuple(seq_ids)
+        if self._cross_decode is None or self._cross_decode[0] != key:
+            metadata = self.caches["cross"].decode_metadata(seq_ids, append=False, on_host=True)
+            self._cross_decode = (key, metadata)
+        return self._cross_decode[1]
+
     def _run_graph(self, batch: Batch, size: int, drawn: Drawn | None, greedy: bool
                    ) -> tuple[torch.Tensor, bool]:
         model = self.model
@@ -207,7 +221,7 @@ class ModelRunner:
         metadata: dict[str, AttentionMetadata] = {"self": dataclasses.replace(
             self.caches["self"].step_metadata(seq_ids, [1] * len(batch), on_host=True), query_start_loc=None)}
         if self.encoder_decoder:
-            metadata["cross"] = self.caches["cross"].decode_metadata(seq_ids, append=False, on_host=True)
+            metadata["cross"] = self._cross_decode_metadata(seq_ids)
         widths = {name: self._graph_width(name, m.block_tables.shape[1]) for name, m in metadata.items()}
         # A batch that only draws greedily draws inside the graph, as generate's graphs do: a few launches
         # fewer on the host a step, and a few bytes of tokens out instead of the logits.
