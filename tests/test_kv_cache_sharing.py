@@ -354,7 +354,7 @@ def test_random_operations_keep_every_sequence_intact(seed):
 def test_block_tables_and_slots_match_the_blocks_held_on_random_ragged_sequences():
     """step_metadata and decode_metadata against each sequence's blocks padded with zeros by hand, and slots
     looked up token by token: random ragged lengths, forks sharing blocks (a partly used last block too),
-    truncations, tables wider than needed and a sequence with no blocks."""
+    truncations, tables wider than needed, a sequence with no blocks, and steps of decodes alone."""
     rng = random.Random(3)
     block_size = 4
     cache = PagedKVCache(num_layers=1, num_blocks=400, block_size=block_size, num_kv_heads=1, head_size=4,
@@ -394,3 +394,10 @@ def test_block_tables_and_slots_match_the_blocks_held_on_random_ragged_sequences
         positions = [cache.seq_len(s) - 1 for s in decoding]
         assert metadata.slot_mapping.tolist() == [held[s][p // block_size] * block_size + p % block_size
                                                   for s, p in zip(decoding, positions, strict=True)]
+        # The same tokens as a packed step of decodes (one query token each, already appended).
+        step = cache.step_metadata(decoding, [1] * len(decoding), block_table_width=needed + 2)
+        torch.testing.assert_close(step.block_tables, expected, rtol=0, atol=0)
+        assert step.slot_mapping.tolist() == metadata.slot_mapping.tolist()
+        assert step.seq_lens.tolist() == [cache.seq_len(s) for s in decoding]
+        assert step.query_lens.tolist() == [1] * len(decoding)
+        assert step.query_start_loc.tolist() == list(range(len(decoding) + 1))

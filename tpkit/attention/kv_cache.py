@@ -303,6 +303,12 @@ class PagedKVCache:
         flat, counts = self._flat_blocks(seq_ids)  # [total_blocks], [num_seqs]
         block_tables = _block_tables(flat, counts, width)  # [num_seqs, width]
         seq_lens = torch.tensor(held)  # [num_seqs]
+        if all(q_len == 1 for q_len in lens):
+            # A step of decodes: each sequence's last token, its slot looked up directly (a handful of
+            # sequences a step, where the packed arithmetic below is a few dozen small tensor ops).
+            return self._metadata(self._last_slots(seq_ids), block_tables, seq_lens,
+                                  torch.ones(len(seq_ids), dtype=torch.int64),
+                                  torch.arange(len(seq_ids) + 1), on_host)
         q_lens = torch.tensor(lens, dtype=torch.int64)  # [num_seqs]
         query_start_loc = torch.zeros(len(seq_ids) + 1, dtype=torch.int64)
         query_start_loc[1:] = q_lens.cumsum(0)
@@ -350,13 +356,9 @@ class PagedKVCache:
         self._check_available(sum(self._append_cost(seq_id, 1) for seq_id in seq_ids) if append else 0,
                               "decode")
         if append:
-            slots = []
             for seq_id in seq_ids:
-                position = self._seq_lens[seq_id]
                 self._append(seq_id, 1, None)
-                block = self._seq_blocks[seq_id][position // self.block_size]
-                slots.append(block * self.block_size + position % self.block_size)
-            slot_mapping = torch.tensor(slots, dtype=torch.int64)  # [num_seqs]
+            slot_mapping = self._last_slots(seq_ids)  # [num_seqs]
         else:
             slot_mapping = torch.full((len(seq_ids),), -1, dtype=torch.int64)  # [num_seqs]
         seq_lens = torch.tensor([self._seq_lens[seq_id] for seq_id in seq_ids])
@@ -532,6 +534,15 @@ class PagedKVCache:
             raise RuntimeError(f"PagedKVCache: out of KV blocks: this {step} step needs {needed} blocks, "
                                f"{self._pool.num_available} of {self.num_blocks} are free (free finished "
                                f"sequences, or give the cache more memory)")
+
+    def _last_slots(self, seq_ids: list[int]) -> torch.Tensor:
+        """int64 ``[num_seqs]``: the slot of each sequence's last token (every sequence holds one)."""
+        slots = []
+        for seq_id in seq_ids:
+            position = self._seq_lens[seq_id] - 1
+            slots.append(self._seq_blocks[seq_id][position // self.block_size] * self.block_size
+                         + position % self.block_size)
+        return torch.tensor(slots, dtype=torch.int64)
 
     def _flat_blocks(self, seq_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The blocks of the sequences one after another, and how many each holds."""
