@@ -3,6 +3,7 @@ packed copy to the device."""
 
 from __future__ import annotations
 
+import array
 from collections.abc import Sequence
 
 import torch
@@ -18,16 +19,19 @@ def _segment_ids(counts: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(ends, torch.arange(total), right=True)
 
 
-def _block_tables(flat: torch.Tensor, counts: torch.Tensor, width: int) -> torch.Tensor:
-    """Row ``i``: the ``counts[i]`` blocks of sequence ``i`` (taken in order from ``flat``), then zeros up to
-    ``width`` columns. Entries past a sequence's blocks are never read; 0 keeps them in range."""
-    tables = torch.zeros(counts.shape[0], width, dtype=torch.int32)  # [num_seqs, width]
-    # Block j of sequence i, at flat[first[i] + j], goes to column j of row i.
-    first = counts.cumsum(0) - counts  # [num_seqs]
-    row_start = torch.arange(counts.shape[0]) * width - first  # [num_seqs]
-    index = torch.arange(flat.shape[0]) + row_start[_segment_ids(counts)]  # [total_blocks]
-    tables.view(-1)[index] = flat
-    return tables
+def _block_tables(blocks: Sequence[array.array], width: int) -> torch.Tensor:
+    """int32 ``[num_seqs, width]``: row ``i`` the blocks of sequence ``i`` (``blocks[i]``, C ints), then zeros
+    up to ``width`` columns. Entries past a sequence's blocks are never read; 0 keeps them in range. The
+    rows' bytes are joined and viewed as one tensor: no tensor op a row or a step, each of which would cost
+    the host microseconds."""
+    zeros = memoryview(bytes(4 * width))
+    pieces = []
+    for row in blocks:
+        pieces += (row, zeros[:4 * (width - len(row))])
+    table = bytearray().join(pieces)
+    if not table:
+        return torch.zeros(len(blocks), width, dtype=torch.int32)
+    return torch.frombuffer(table, dtype=torch.int32).view(len(blocks), width)
 
 
 def copy_to_device(host: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:

@@ -300,8 +300,7 @@ class PagedKVCache:
                                      f"{seq_len} tokens for seq_id {seq_id} (the tokens it holds: "
                                      f"append_slots first), got {q_len}")
         width = self._check_width(seq_ids, block_table_width, "step_metadata", grows=set())
-        flat, counts = self._flat_blocks(seq_ids)  # [total_blocks], [num_seqs]
-        block_tables = _block_tables(flat, counts, width)  # [num_seqs, width]
+        block_tables = _block_tables([self._seq_blocks[seq_id] for seq_id in seq_ids], width)
         seq_lens = torch.tensor(held)  # [num_seqs]
         if all(q_len == 1 for q_len in lens):
             # A step of decodes: each sequence's last token, its slot looked up directly (a handful of
@@ -312,6 +311,7 @@ class PagedKVCache:
         q_lens = torch.tensor(lens, dtype=torch.int64)  # [num_seqs]
         query_start_loc = torch.zeros(len(seq_ids) + 1, dtype=torch.int64)
         query_start_loc[1:] = q_lens.cumsum(0)
+        flat, counts = self._flat_blocks(seq_ids)  # [total_blocks], [num_seqs]
         seq = _segment_ids(q_lens)  # [num_tokens]: each token's sequence
         # Each token's cache position: the last q_len of its sequence's tokens, in order.
         positions = torch.arange(seq.shape[0]) - query_start_loc[seq] + (seq_lens - q_lens)[seq]
@@ -362,7 +362,8 @@ class PagedKVCache:
         else:
             slot_mapping = torch.full((len(seq_ids),), -1, dtype=torch.int64)  # [num_seqs]
         seq_lens = torch.tensor([self._seq_lens[seq_id] for seq_id in seq_ids])
-        return self._metadata(slot_mapping, _block_tables(*self._flat_blocks(seq_ids), width), seq_lens,
+        block_tables = _block_tables([self._seq_blocks[seq_id] for seq_id in seq_ids], width)
+        return self._metadata(slot_mapping, block_tables, seq_lens,
                               torch.ones(len(seq_ids), dtype=torch.int64), None, on_host)
 
     def fork(self, seq_id: int, new_seq_id: int, num_tokens: int | None = None) -> None:
