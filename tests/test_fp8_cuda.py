@@ -228,10 +228,7 @@ def test_fp8_product_with_the_quantization_kernel_is_the_same_product():
     with torch.inference_mode():
         for input_scale, bound, b in ((None, None, bias), (None, 3.0, None),
                                       (torch.tensor(0.01, device="cuda"), None, bias)):
-            quantized, scale = quantize_per_token_fp8(x.view(-1, 4096), input_scale, bound)
-            expected_quantized, expected_scale = _quantize_reference(x.view(-1, 4096), input_scale, bound)
-            assert torch.equal(quantized.view(torch.uint8), expected_quantized.view(torch.uint8))
-            assert torch.equal(scale.view(torch.int32), expected_scale.view(torch.int32))
+            _assert_quantized_alike(x.view(-1, 4096), input_scale, bound)
             expected = _fp8_product(x, weight, row_scales, b, input_scale, bound, _quantize_reference)
             got = _fp8_product(x, weight, row_scales, b, input_scale, bound, quantize_per_token_fp8)
             torch.testing.assert_close(got, expected, **close)

@@ -2,12 +2,12 @@
 
 Before each float8 tensor-core product (``torch._scaled_mm``) ``tpkit.parallel_layers.Fp8LinearMethod``
 quantizes its activations: each token's scale its amax (at most ``activation_scale_ub``) over 448, or a static
-``input_scale``, and its values ``saturate(x / scale)`` in float8 E4M3. The method's PyTorch path
-(:func:`_quantize_reference`, this op's PyTorch implementation) passes over the input four times, several of
-them in float32. The kernel takes a thread block a row: it reads the row
-once, keeps it in registers while the block reduces its amax, and writes the float8 row and its scale, bit for
-bit what the PyTorch path gives on the GPU (NaN and infinities included). The method takes
-:func:`quantize_per_token_fp8` as its ``quantize_op``, without which it multiplies by the dequantized weight.
+``input_scale``, and its values ``saturate(x / scale)`` in float8 E4M3. The op's PyTorch implementation
+(:func:`_quantize_reference`) passes over the input four times, several of them in float32. The kernel takes
+a thread block a row: it reads the row once, keeps it in registers while the block reduces its amax, and
+writes the float8 row and its scale, bit for bit what the PyTorch implementation gives on the GPU (NaN and
+infinities included). The method takes :func:`quantize_per_token_fp8` as its ``quantize_op``, without which
+it multiplies by the dequantized weight.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def _quantize_reference(rows: torch.Tensor, input_scale: torch.Tensor | None = N
 def _quantize_outputs(input: torch.Tensor, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
     num_rows, features = input.shape
     # [num_rows, features]
-    quantized = torch.empty(num_rows, features, dtype=torch.float8_e4m3fn, device=input.device)
+    quantized = torch.empty(num_rows, features, dtype=_FP8, device=input.device)
     scale = torch.empty(num_rows, 1, dtype=torch.float32, device=input.device)  # [num_rows, 1]
     return quantized, scale
 

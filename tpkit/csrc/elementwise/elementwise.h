@@ -2,7 +2,7 @@
 // the per-token float8 quantization of a float8 product's activations. Each rounds where eager PyTorch rounds
 // (every product, sum and activation to the dtype; the quantization's quotient in float32), so that its output
 // is that of the expressions it replaces (tpkit.attention.rotary, tpkit.attention.linear,
-// tpkit.parallel_layers.quantization). float16 or bfloat16, 16-byte vectors. No torch: the binding checks
+// tpkit.ops.fp8_quantize). float16 or bfloat16, 16-byte vectors. No torch: the binding checks
 // tensors and fills the structs.
 #pragma once
 
@@ -42,7 +42,7 @@ typedef struct {
 } tpkit_silu_and_mul_args;
 
 // out[r, j] = saturate(input[r, j] / scale[r]) in float8 E4M3, and scale[r], each bit for bit what the
-// PyTorch expression computes on a GPU (tpkit.parallel_layers.quantization._quantize_per_token), NaN and
+// PyTorch expression computes on a GPU (tpkit.ops.fp8_quantize._quantize_reference), NaN and
 // infinities included. Dynamic (static_scale NULL): scale[r] = max(min(amax, amax_bound) * (1 / 448), 1e-12),
 // amax the row's largest magnitude, NaN where the row holds a NaN (and then scale[r] is NaN; torch.clamp keeps
 // NaN); the product by the float32 reciprocal is how torch divides a CUDA tensor by a Python number. Static:
