@@ -227,6 +227,9 @@ __global__ void __launch_bounds__(kLinearRowGroups * kSplits * 32,
     partial[group][split][r + 8][2 * t] = c[2];
     partial[group][split][r + 8][2 * t + 1] = c[3];
   }
+  // The next kernel may launch (the attention kernel, launched as a programmatic dependent, waits for this
+  // grid's results and meanwhile asks L2 for what its prologue reads).
+  grid_launch_dependents();
   if (reads_rms_sum) {
     const float sum = static_cast<float>(kHoisted ? rms_sum : a.rms_sums[threadIdx.x]);
     row_scale[threadIdx.x] = rsqrtf(sum / a.in_features + a.eps);
