@@ -141,21 +141,26 @@ def _models(args: argparse.Namespace, config: dict, dtype: torch.dtype, device: 
     return models
 
 
-def static_step_s(model: PagedLM, batch: int, prompt_len: int, cuda: bool) -> float:
+def static_step_s(model: PagedLM, batch: int, prompt_len: int, cuda: bool, repeats: int = 5) -> float:
     """Seconds one decode step of ``model.generate`` takes for ``batch`` prompts of ``prompt_len`` tokens:
-    the difference of two runs' times over the difference of their new tokens, so that the prefill cancels."""
+    the difference of two runs' times over the difference of their new tokens, so that the prefill cancels.
+    Each run's time is the least of ``repeats``: a step of a small batch is short enough that the host's
+    jitter in one run would move it by tens of percent."""
     prompts = [[3 + (i + j) % 97 for j in range(prompt_len)] for i in range(batch)]
     short, long = 8, 40
     times = []
     for new_tokens in (short, long):
         model.generate(prompts, new_tokens, ignore_eos=True, cuda_graph=cuda)  # captures its graphs
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        model.generate(prompts, new_tokens, ignore_eos=True, cuda_graph=cuda)
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+        runs = []
+        for _ in range(repeats):
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            model.generate(prompts, new_tokens, ignore_eos=True, cuda_graph=cuda)
+            if cuda:
+                torch.cuda.synchronize()
+            runs.append(time.perf_counter() - start)
+        times.append(min(runs))
     return (times[1] - times[0]) / (long - short)
 
 
