@@ -16,7 +16,9 @@ Models plug in through :class:`PagedLM`'s hooks; decoder-only models get them al
 
 from __future__ import annotations
 
+import array
 import functools
+import itertools
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -36,6 +38,11 @@ from tpkit.parallel_layers import check_ranks_agree
 # Captured decode graphs a model keeps (one per batch size, block-table width and step variant).
 _MAX_GRAPHS = 32
 StepFn = Callable[[torch.Tensor, Mapping[str, AttentionMetadata], Sequence[int]], torch.Tensor]
+
+def _longs(values: Iterable[int]) -> torch.Tensor:
+    """The values as an int64 tensor on the host, sharing the memory of the array they fill in C."""
+    longs = array.array("q", values)
+    return torch.frombuffer(longs, dtype=torch.int64) if longs else torch.zeros(0, dtype=torch.int64)
 
 def _one_call_at_a_time(generate: Callable) -> Callable:
     """``generate`` of a model refuses to start while the same model is generating in another thread: the
@@ -447,9 +454,13 @@ class PagedDecoderOnlyLM(PagedLM):
         give the positions only)."""
         metadata = cache.step_metadata([seq_id for seq_id, _, _ in chunks],
                                        [len(ids) for _, _, ids in chunks])
-        positions = torch.tensor([p for _, start, ids in chunks for p in range(start, start + len(ids))])
+        # [num_tokens] each, from arrays of C longs filled in C: a tensor built from a list of Python ints
+        # converts them one by one, milliseconds of host time (and of an idle GPU) at a prefill of thousands
+        # of tokens; an arange a chunk would cost as much at a step of hundreds of decodes.
+        positions = _longs(itertools.chain.from_iterable(range(start, start + len(ids))
+                                                         for _, start, ids in chunks))
         if input_ids is None:
-            tokens = torch.tensor([token for _, _, ids in chunks for token in ids])  # [num_tokens]
+            tokens = _longs(itertools.chain.from_iterable(ids for _, _, ids in chunks))
             positions, input_ids = copy_to_device([positions, tokens], self.device)
         else:
             (positions,) = copy_to_device([positions], self.device)
