@@ -5,7 +5,7 @@ import logging
 import pytest
 import torch
 
-from tpkit.attention import AttentionMetadata, PagedKVCache
+from tpkit.attention import AttentionMetadata, PagedKVCache, host_longs
 from tpkit.attention.host_tensors import _copy_packed, _segment_ids
 
 
@@ -217,6 +217,22 @@ def test_a_gpus_available_memory_counts_what_the_caching_allocator_holds_unused(
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 120 << 30)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 20 << 30)
     assert available_bytes(torch.device("cuda")) == (3 << 30) + (100 << 30)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_host_longs_equal_a_tensor_of_the_values(seed):
+    """Random int64 values of any count (none, one, thousands; negatives and the int64 extremes among them),
+    from a list or a generator, give the tensor ``torch.tensor`` builds of them."""
+    gen = torch.Generator().manual_seed(seed)
+    for count in (0, 1, 5, 4099):
+        values = torch.randint(-2**62, 2**62, (count,), generator=gen).tolist()
+        if count > 1:
+            values[:2] = [torch.iinfo(torch.int64).min, torch.iinfo(torch.int64).max]
+        expected = torch.tensor(values, dtype=torch.int64)
+        for given in (values, iter(values)):
+            got = host_longs(given)
+            assert got.dtype == torch.int64 and got.shape == (count,)
+            assert torch.equal(got, expected)
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -8,7 +8,7 @@ heads with SDPA, or over the cache through ``paged_attention``. The attention op
 (``paged_attention``, ``reshape_and_cache``) live in :mod:`tpkit.ops` and are re-exported here.
 """
 
-from tpkit.attention.host_tensors import copy_to_device, packed_size, packed_views
+from tpkit.attention.host_tensors import copy_to_device, host_longs, packed_size, packed_views
 from tpkit.attention.kv_cache import AttentionMetadata, PagedKVCache
 from tpkit.attention.kv_scales import FP8_KV_DTYPES, calibrated_kv_scales, set_kv_scales
 from tpkit.attention.layer import Attention
@@ -21,6 +21,7 @@ __all__ = [
     "PagedKVCache",
     "calibrated_kv_scales",
     "copy_to_device",
+    "host_longs",
     "packed_size",
     "packed_views",
     "paged_attention",

@@ -4,9 +4,17 @@ packed copy to the device."""
 from __future__ import annotations
 
 import array
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
+
+
+def host_longs(values: Iterable[int]) -> torch.Tensor:
+    """The values as an int64 tensor on the host, sharing the memory of the array they fill in C: a tensor
+    built from a list of Python ints converts them one by one, milliseconds of host time at the thousands
+    of positions of a prefill step."""
+    longs = array.array("q", values)
+    return torch.frombuffer(longs, dtype=torch.int64) if longs else torch.zeros(0, dtype=torch.int64)
 
 
 def _segment_ids(counts: torch.Tensor) -> torch.Tensor:

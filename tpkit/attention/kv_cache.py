@@ -20,7 +20,7 @@ import torch
 
 from tpkit._memory import available_bytes
 from tpkit.attention.block_pool import ROOT_HASH, BlockPool, block_hash
-from tpkit.attention.host_tensors import _block_tables, _segment_ids, copy_to_device
+from tpkit.attention.host_tensors import _block_tables, _segment_ids, copy_to_device, host_longs
 from tpkit.attention.kv_scales import FP8_KV_DTYPES, set_kv_scales
 
 logger = logging.getLogger("tpkit.attention")
@@ -550,7 +550,7 @@ class PagedKVCache:
         held = [self._seq_blocks[seq_id] for seq_id in seq_ids]
         flat = bytearray().join(held)
         flat_blocks = torch.frombuffer(flat, dtype=torch.int32) if flat else torch.zeros(0, dtype=torch.int32)
-        counts = torch.frombuffer(array.array("q", map(len, held)), dtype=torch.int64)
+        counts = host_longs(map(len, held))
         return flat_blocks, counts  # [total_blocks], [num_seqs]
 
     def _metadata(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,

@@ -16,7 +16,6 @@ Models plug in through :class:`PagedLM`'s hooks; decoder-only models get them al
 
 from __future__ import annotations
 
-import array
 import functools
 import itertools
 import threading
@@ -28,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tpkit.attention import AttentionMetadata, PagedKVCache, copy_to_device
+from tpkit.attention import AttentionMetadata, PagedKVCache, copy_to_device, host_longs
 from tpkit.models.cuda_graph import DecodeGraph
 from tpkit.models.prompts import Prompts, check_input_ids, check_prompts, parse_eos_token_ids
 from tpkit.models.sampling import Sampler, greedy_tokens
@@ -38,11 +37,6 @@ from tpkit.parallel_layers import check_ranks_agree
 # Captured decode graphs a model keeps (one per batch size, block-table width and step variant).
 _MAX_GRAPHS = 32
 StepFn = Callable[[torch.Tensor, Mapping[str, AttentionMetadata], Sequence[int]], torch.Tensor]
-
-def _longs(values: Iterable[int]) -> torch.Tensor:
-    """The values as an int64 tensor on the host, sharing the memory of the array they fill in C."""
-    longs = array.array("q", values)
-    return torch.frombuffer(longs, dtype=torch.int64) if longs else torch.zeros(0, dtype=torch.int64)
 
 def _one_call_at_a_time(generate: Callable) -> Callable:
     """``generate`` of a model refuses to start while the same model is generating in another thread: the
@@ -454,13 +448,12 @@ class PagedDecoderOnlyLM(PagedLM):
         give the positions only)."""
         metadata = cache.step_metadata([seq_id for seq_id, _, _ in chunks],
                                        [len(ids) for _, _, ids in chunks])
-        # [num_tokens] each, from arrays of C longs filled in C: a tensor built from a list of Python ints
-        # converts them one by one, milliseconds of host time (and of an idle GPU) at a prefill of thousands
-        # of tokens; an arange a chunk would cost as much at a step of hundreds of decodes.
-        positions = _longs(itertools.chain.from_iterable(range(start, start + len(ids))
+        # [num_tokens] each, filled in C (an arange a chunk would cost milliseconds at a step of hundreds of
+        # decodes).
+        positions = host_longs(itertools.chain.from_iterable(range(start, start + len(ids))
                                                          for _, start, ids in chunks))
         if input_ids is None:
-            tokens = _longs(itertools.chain.from_iterable(ids for _, _, ids in chunks))
+            tokens = host_longs(itertools.chain.from_iterable(ids for _, _, ids in chunks))
             positions, input_ids = copy_to_device([positions, tokens], self.device)
         else:
             (positions,) = copy_to_device([positions], self.device)
