@@ -637,17 +637,18 @@ bool silu_and_mul(at::Tensor out, const at::Tensor& input) {
   return true;
 }
 
-// out float8 E4M3 [num_rows, features] and scale float32 [num_rows, 1] of input [num_rows, features] (any row
-// stride, last dim contiguous), quantized per token: each row by its own amax, at most activation_scale_ub,
-// or by input_scale (float32, one element) (elementwise.h); false where the kernel does not take these
-// tensors.
-bool quantize_per_token_fp8(at::Tensor out, at::Tensor scale, const at::Tensor& input,
-                            const std::optional<at::Tensor>& input_scale,
-                            std::optional<double> activation_scale_ub) {
-  const char* op = "quantize_per_token_fp8";
+// Fills a quantization's arguments: out float8 E4M3 [num_rows, features] and scale float32 [num_rows, 1] of the
+// values of input [num_rows, parts * features] (any row stride, last dim contiguous; parts 2 for SwiGLU's gate
+// and up), each row by its own amax, at most activation_scale_ub, or by input_scale (float32, one element)
+// (elementwise.h); false where the kernel does not take these tensors.
+bool fill_quantize_args(tpkit_quantize_fp8_args& a, const char* op, at::Tensor& out, at::Tensor& scale,
+                        const at::Tensor& input, int64_t parts, const std::optional<at::Tensor>& input_scale,
+                        std::optional<double> activation_scale_ub) {
   const at::Device device = cuda_device(op, "input", input);
   check_tensor(op, "input", input, device, input.scalar_type(), {kAny, kAny});
-  const int64_t num_rows = input.size(0), features = input.size(1);
+  TPKIT_CHECK_VALUE(input.size(1) % parts == 0, op, " (CUDA): input: expected [num_rows, ", parts,
+                    " * features], got ", input.sizes());
+  const int64_t num_rows = input.size(0), features = input.size(1) / parts;
   check_tensor(op, "out", out, device, at::kFloat8_e4m3fn, {num_rows, features});
   check_tensor(op, "scale", scale, device, at::kFloat, {num_rows, 1});
   if (!out.is_contiguous() || !scale.is_contiguous() || input.stride(1) != 1) return false;
@@ -658,7 +659,6 @@ bool quantize_per_token_fp8(at::Tensor out, at::Tensor scale, const at::Tensor& 
   // A finite bound beyond float32's range: torch refuses to convert it, and so does the PyTorch path.
   const double bound = activation_scale_ub.value_or(INFINITY);
   if (std::isfinite(bound) && std::abs(bound) > FLT_MAX) return false;
-  tpkit_quantize_fp8_args a{};
   if (!to_16bit_dtype(input.scalar_type(), &a.dtype)) return false;
   a.out = out.data_ptr();
   a.scale = scale.data_ptr<float>();
@@ -668,9 +668,70 @@ bool quantize_per_token_fp8(at::Tensor out, at::Tensor scale, const at::Tensor& 
   a.num_rows = num_rows;
   a.features = features;
   a.input_stride = input.stride(0);
-  if (!tpkit_quantize_fp8_supported(&a)) return false;
+  return true;
+}
+
+// A quantization of input [num_rows, parts * features] into out [num_rows, features] and scale
+// (fill_quantize_args) by the kernel of `supported` and `launch`.
+bool quantize_rows(const char* op, int64_t parts, int (*supported)(const tpkit_quantize_fp8_args*),
+                   cudaError_t (*launch)(const tpkit_quantize_fp8_args*, cudaStream_t), at::Tensor out,
+                   at::Tensor scale, const at::Tensor& input, const std::optional<at::Tensor>& input_scale,
+                   std::optional<double> activation_scale_ub) {
+  tpkit_quantize_fp8_args a{};
+  if (!fill_quantize_args(a, op, out, scale, input, parts, input_scale, activation_scale_ub) || !supported(&a)) {
+    return false;
+  }
+  const c10::cuda::CUDAGuard guard(input.device());
+  check_launch(launch(&a, c10::cuda::getCurrentCUDAStream()), op);
+  return true;
+}
+
+// input [num_rows, features] quantized per token.
+bool quantize_per_token_fp8(at::Tensor out, at::Tensor scale, const at::Tensor& input,
+                            const std::optional<at::Tensor>& input_scale,
+                            std::optional<double> activation_scale_ub) {
+  return quantize_rows("quantize_per_token_fp8", 1, tpkit_quantize_fp8_supported, tpkit_quantize_fp8_launch, out,
+                       scale, input, input_scale, activation_scale_ub);
+}
+
+// silu(gate) * up of input [num_rows, 2 * features] (gate, then up) quantized per token.
+bool silu_and_mul_quantize_fp8(at::Tensor out, at::Tensor scale, const at::Tensor& input,
+                               const std::optional<at::Tensor>& input_scale,
+                               std::optional<double> activation_scale_ub) {
+  return quantize_rows("silu_and_mul_quantize_fp8", 2, tpkit_silu_and_mul_quantize_fp8_supported,
+                       tpkit_silu_and_mul_quantize_fp8_launch, out, scale, input, input_scale, activation_scale_ub);
+}
+
+// RMSNorm of input [num_rows, features] (with residual: of input + residual, written to residual_out) by
+// norm_weight [features], quantized per token into out and scale (fill_quantize_args).
+bool rms_norm_quantize_fp8(at::Tensor out, at::Tensor scale, const std::optional<at::Tensor>& residual_out,
+                           const at::Tensor& input, const std::optional<at::Tensor>& residual,
+                           const at::Tensor& norm_weight, double eps, const std::optional<at::Tensor>& input_scale,
+                           std::optional<double> activation_scale_ub) {
+  const char* op = "rms_norm_quantize_fp8";
+  tpkit_rms_norm_quantize_fp8_args a{};
+  if (!fill_quantize_args(a.quantize, op, out, scale, input, 1, input_scale, activation_scale_ub)) {
+    return false;
+  }
+  const at::Device device = input.device();
+  const int64_t num_rows = input.size(0), features = input.size(1);
+  check_tensor(op, "norm_weight", norm_weight, device, input.scalar_type(), {features});
+  TPKIT_CHECK_VALUE(residual.has_value() == residual_out.has_value(), "rms_norm_quantize_fp8 (CUDA): expected "
+                    "residual and residual_out both or neither");
+  if (!norm_weight.is_contiguous()) return false;
+  if (residual.has_value()) {
+    check_tensor(op, "residual", *residual, device, input.scalar_type(), {num_rows, features});
+    check_tensor(op, "residual_out", *residual_out, device, input.scalar_type(), {num_rows, features});
+    if (residual->stride(1) != 1 || !residual_out->is_contiguous()) return false;
+    a.residual = residual->data_ptr();
+    a.residual_out = residual_out->data_ptr();
+    a.residual_stride = residual->stride(0);
+  }
+  a.norm_weight = norm_weight.data_ptr();
+  a.eps = static_cast<float>(eps);
+  if (!tpkit_rms_norm_quantize_fp8_supported(&a)) return false;
   const c10::cuda::CUDAGuard guard(device);
-  check_launch(tpkit_quantize_fp8_launch(&a, c10::cuda::getCurrentCUDAStream()), "quantize_per_token_fp8");
+  check_launch(tpkit_rms_norm_quantize_fp8_launch(&a, c10::cuda::getCurrentCUDAStream()), op);
   return true;
 }
 
@@ -737,5 +798,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "out (float8 E4M3) and scale [num_rows, 1] of input [num_rows, features] quantized per token (or with "
         "input_scale); False where the kernel does not take these tensors.",
         py::arg("out"), py::arg("scale"), py::arg("input"), py::arg("input_scale") = py::none(),
+        py::arg("activation_scale_ub") = py::none());
+  m.def("silu_and_mul_quantize_fp8", &silu_and_mul_quantize_fp8,
+        "out (float8 E4M3) and scale [num_rows, 1] of silu(gate) * up of input's halves [num_rows, 2 * features], "
+        "quantized per token (or with input_scale); False where the kernel does not take these tensors.",
+        py::arg("out"), py::arg("scale"), py::arg("input"), py::arg("input_scale") = py::none(),
+        py::arg("activation_scale_ub") = py::none());
+  m.def("rms_norm_quantize_fp8", &rms_norm_quantize_fp8,
+        "out (float8 E4M3) and scale [num_rows, 1] of the RMSNorm of input (plus residual, their sum written to "
+        "residual_out), quantized per token (or with input_scale); False where the kernel does not take these "
+        "tensors.",
+        py::arg("out"), py::arg("scale"), py::arg("residual_out"), py::arg("input"), py::arg("residual"),
+        py::arg("norm_weight"), py::arg("eps"), py::arg("input_scale") = py::none(),
         py::arg("activation_scale_ub") = py::none());
 }

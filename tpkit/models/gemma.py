@@ -58,6 +58,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
     """
 
     fused_decode = False  # the fused decode step computes Llama's layers, not the sandwich
+    fused_fp8 = False  # so does the fused float8 step
     config_schema = GEMMA
     layer_class = GemmaDecoderLayer
     norm_unit_offset = True

@@ -36,6 +36,7 @@ from tpkit.models.activations import get_activation
 from tpkit.models.config_checks import LLAMA, check_config
 from tpkit.models.dropout import attend
 from tpkit.models.fused_decode import fused_decode_applies, fused_decode_step
+from tpkit.models.fused_fp8 import fused_fp8_applies, fused_fp8_step
 from tpkit.models.generation import PagedDecoderOnlyLM
 from tpkit.models.kv_scales import peel_kv_scales
 from tpkit.models.layer_types import (
@@ -92,7 +93,13 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: PagedKVCache | None,
                 metadata: AttentionMetadata | None) -> torch.Tensor:
-        qkv = self.qkv_proj(x)  # [batch, seq, q_size + 2 * kv_size]: every token, also sequence-parallel
+        # [batch, seq, q_size + 2 * kv_size]: every token, also sequence-parallel
+        return self.from_qkv(self.qkv_proj(x), cos, sin, kv_cache, metadata)
+
+    def from_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: PagedKVCache | None,
+                 metadata: AttentionMetadata | None) -> torch.Tensor:
+        """The rest of :meth:`forward` after qkv_proj: qkv ``[batch, seq, q_size + 2 * kv_size]`` -> o_proj's
+        output."""
         batch, seq = qkv.shape[:2]
         # q and k heads side by side: one rotation for both.
         qk = qkv[..., : self.q_size + self.kv_size].view(batch, seq, -1, self.head_size)
@@ -160,6 +167,11 @@ class LlamaForCausalLM(PagedDecoderOnlyLM):
     # is what a model whose layers get another product through set_linear_op wants). CUDA graphs captured
     # before a change replay the step they captured: clear_kv_cache() drops them.
     fused_decode: bool | None = None
+    # Steps of many tokens on float8 tensor cores with the activations quantized by fused ops
+    # (tpkit.models.fused_fp8): None (the default) where the products run on float8 tensor cores, True at
+    # every such step without gradients (the ops' PyTorch expressions where the kernels do not run), False
+    # never.
+    fused_fp8: bool | None = None
     config_schema = LLAMA
     layer_class: type[nn.Module] = LlamaDecoderLayer
     norm_unit_offset = False  # Gemma's norms scale by 1 + weight
@@ -250,6 +262,8 @@ class LlamaForCausalLM(PagedDecoderOnlyLM):
                               else self.local_rotary_emb.cos_sin(positions, x.dtype))
         if fused_decode_applies(self, x, kv_cache, metadata):
             return fused_decode_step(self, x, *rotations[FULL], kv_cache, metadata)
+        if fused_fp8_applies(self, x):
+            return fused_fp8_step(self, x, rotations, kv_cache, metadata)
         for layer, layer_type in zip(self.layers, self.layer_types, strict=True):
             x = layer(x, *rotations[layer_type], kv_cache, metadata)
         x = self.norm(x)

@@ -11,7 +11,8 @@ where they cannot be built, the ops run their PyTorch implementation on the GPU 
   variants: SwiGLU, RoPE with the cache write, the RMSNorm split).
 - :mod:`~tpkit.ops.fp8_linear`: ``decode_linear_fp8``, the decode kernel reading float8 weights.
 - :mod:`~tpkit.ops.fp8_quantize`: ``quantize_per_token_fp8``, a float8 product's activations quantized per
-  token.
+  token, and the same fused with SwiGLU (``silu_and_mul_quantize_fp8``) or with RMSNorm after the residual
+  add (``rms_norm_quantize_fp8``, ``add_rms_norm_quantize_fp8``).
 - :mod:`~tpkit.ops.rotary`: RoPE: the frequencies (``RotaryEmbedding``) and the rotation (``apply_rotary``).
 - :mod:`~tpkit.ops.norm`: ``RMSNorm``, and ``apply_rms_sums``, the second half of a norm split across two
   products.
@@ -20,7 +21,12 @@ where they cannot be built, the ops run their PyTorch implementation on the GPU 
 
 from tpkit.ops.activation import silu_and_mul
 from tpkit.ops.fp8_linear import decode_linear_fp8
-from tpkit.ops.fp8_quantize import quantize_per_token_fp8
+from tpkit.ops.fp8_quantize import (
+    add_rms_norm_quantize_fp8,
+    quantize_per_token_fp8,
+    rms_norm_quantize_fp8,
+    silu_and_mul_quantize_fp8,
+)
 from tpkit.ops.linear import (
     decode_kernel_applies,
     decode_linear,
@@ -41,6 +47,7 @@ from tpkit.ops.rotary import (
 __all__ = [
     "RMSNorm",
     "RotaryEmbedding",
+    "add_rms_norm_quantize_fp8",
     "apply_rms_sums",
     "apply_rotary",
     "attention_factor",
@@ -54,6 +61,8 @@ __all__ = [
     "paged_attention",
     "quantize_per_token_fp8",
     "reshape_and_cache",
+    "rms_norm_quantize_fp8",
     "rope_parameters",
     "silu_and_mul",
+    "silu_and_mul_quantize_fp8",
 ]

@@ -1,5 +1,5 @@
 """The CUDA kernels of ``csrc/`` (paged attention, the cache write, the decode linear, RoPE, SwiGLU and the
-float8 activation quantization), compiled on first use.
+float8 activation quantizations), compiled on first use.
 
 The extension is built with ``torch.utils.cpp_extension.load`` (ninja) for the compute capability of the
 GPU it runs on, and cached per (GPU architecture, torch version, CUDA version) in
@@ -389,3 +389,28 @@ def quantize_per_token_fp8(out: torch.Tensor, scale: torch.Tensor, input: torch.
     module = _module_for(input.device)
     return module is not None and module.quantize_per_token_fp8(out, scale, input, input_scale,
                                                                 activation_scale_ub)
+
+
+def silu_and_mul_quantize_fp8(out: torch.Tensor, scale: torch.Tensor, input: torch.Tensor,
+                              input_scale: torch.Tensor | None = None,
+                              activation_scale_ub: float | None = None) -> bool:
+    """``out`` and ``scale`` of ``silu(gate) * up`` of ``input``'s halves ``[num_rows, 2 * features]``
+    quantized per token, bit for bit as :func:`tpkit.ops.silu_and_mul_quantize_fp8`'s PyTorch implementation
+    on the GPU; False where :func:`quantize_per_token_fp8` would be."""
+    module = _module_for(input.device)
+    return module is not None and module.silu_and_mul_quantize_fp8(out, scale, input, input_scale,
+                                                                   activation_scale_ub)
+
+
+def rms_norm_quantize_fp8(out: torch.Tensor, scale: torch.Tensor, residual_out: torch.Tensor | None,
+                          input: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                          eps: float, input_scale: torch.Tensor | None = None,
+                          activation_scale_ub: float | None = None) -> bool:
+    """``out`` and ``scale`` of the RMSNorm of ``input`` ``[num_rows, features]`` (with ``residual``, of
+    ``input + residual``, written to ``residual_out``, contiguous) by ``norm_weight`` ``[features]``,
+    quantized per token as :func:`tpkit.ops.rms_norm_quantize_fp8` says; False where
+    :func:`quantize_per_token_fp8` would be, or the weight or residual is not contiguous and aligned."""
+    module = _module_for(input.device)
+    return module is not None and module.rms_norm_quantize_fp8(out, scale, residual_out, input, residual,
+                                                               norm_weight, eps, input_scale,
+                                                               activation_scale_ub)

@@ -27,7 +27,8 @@ in its epilogue), the activations quantized per token at each call (dynamic) or 
 ``input_scale`` of the checkpoint (one a part; the product uses their maximum, the one scale the shared
 input can have), by the method's ``quantize_op`` (``tpkit.ops.quantize_per_token_fp8``). Elsewhere (the CPU,
 older GPUs, block scales, a method without a ``quantize_op``) the weight is dequantized to the input's dtype
-and multiplied, the activations unquantized.
+and multiplied, the activations unquantized. :meth:`Fp8LinearMethod.apply_quantized` multiplies activations
+quantized already (by an op that fuses the quantization with what makes them: ``tpkit.models.fused_fp8``).
 """
 
 from __future__ import annotations
@@ -259,6 +260,38 @@ class Fp8LinearMethod(QuantizationMethod):
         return self._expand(getattr(layer, self.scale_name), layer.weight.shape,
                             layer.shard_parts(layer.weight)).reshape(-1)
 
+    def tensor_cores_apply(self, layer: _LinearBase, input_: torch.Tensor) -> bool:
+        """Whether :meth:`apply` multiplies ``input_`` on float8 tensor cores, its activations quantized by
+        ``quantize_op``, where ``decode_op`` declines it: per-tensor or per-channel float8 weights, a
+        ``quantize_op``, and a device, dtype and sizes that ``torch._scaled_mm`` takes."""
+        return (self.quantize_op is not None and self.row_scales(layer) is not None
+                and _scaled_mm_applies(input_, layer.weight))
+
+    def apply_quantized(self, layer: _LinearBase, quantized: torch.Tensor, scale: torch.Tensor,
+                        bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+        """``(quantized * scale) @ W.T + bias`` of activations already quantized (by ``quantize_op`` or an op
+        that fuses it with what makes them): ``quantized`` float8 E4M3 ``[num_tokens, in_per_partition]``,
+        ``scale`` float32 ``[num_tokens, 1]`` -> ``[num_tokens, out_per_partition]`` in ``out_dtype``. On
+        float8 tensor cores where :meth:`tensor_cores_apply` says so, elsewhere in float32 on the dequantized
+        operands; per-tensor and per-channel weights only."""
+        where = f"{type(layer).__name__}.apply_quantized"
+        row_scales = self.row_scales(layer)  # [out_per_partition]
+        if row_scales is None:
+            raise ValueError(f"{where}: expected float8 weights with one scale a tensor or a row, got "
+                             f"{layer.weight.dtype} weights with weight_scheme {self.weight_scheme!r}")
+        in_features = layer.weight.shape[1]
+        if quantized.dtype != _FP8 or quantized.dim() != 2 or quantized.shape[1] != in_features:
+            raise ValueError(f"{where}: quantized: expected {_FP8} [num_tokens, {in_features}], got "
+                             f"{quantized.dtype} {list(quantized.shape)}")
+        if scale.dtype != torch.float32 or scale.shape != (quantized.shape[0], 1):
+            raise ValueError(f"{where}: scale: expected torch.float32 [{quantized.shape[0]}, 1], got "
+                             f"{scale.dtype} {list(scale.shape)}")
+        if quantized.is_cuda and _tensor_cores_take(quantized.device, out_dtype, layer.weight):
+            return _scaled_product(quantized, scale, layer.weight, row_scales, bias, out_dtype)
+        weight = layer.weight.float() * row_scales[:, None]
+        out = F.linear(quantized.float() * scale, weight).to(out_dtype)
+        return out if bias is None else out + bias
+
     def apply(self, layer: _LinearBase, input_: torch.Tensor, bias: torch.Tensor | None,
               rows: slice | None = None) -> torch.Tensor:
         weight = layer.weight if rows is None else layer.weight[rows]
@@ -394,13 +427,20 @@ def _load_scale_grid(where: str, param: nn.Parameter, loaded_weight: object, par
 
 
 def _scaled_mm_applies(input_: torch.Tensor, weight: torch.Tensor) -> bool:
-    """float8 tensor cores: a CUDA device of compute capability 8.9+, a bfloat16 input (the output dtype
-    ``torch._scaled_mm`` takes with per-row scales) and sizes that are multiples of 16."""
-    if not input_.is_cuda or input_.dtype != torch.bfloat16 or torch.is_grad_enabled():
+    """float8 tensor cores for ``input_`` (a CUDA tensor, no gradient wanted) and ``weight``."""
+    if not input_.is_cuda or torch.is_grad_enabled():
+        return False
+    return _tensor_cores_take(input_.device, input_.dtype, weight)
+
+
+def _tensor_cores_take(device: torch.device, out_dtype: torch.dtype, weight: torch.Tensor) -> bool:
+    """``torch._scaled_mm`` on ``device``: compute capability 8.9+, a bfloat16 output (the dtype it takes with
+    per-row scales) and a float8 ``weight`` whose sizes are multiples of 16."""
+    if out_dtype != torch.bfloat16 or weight.dtype != _FP8:
         return False
     if weight.shape[0] % 16 or weight.shape[1] % 16 or weight.stride(1) != 1:
         return False
-    return torch.cuda.get_device_capability(input_.device) >= (8, 9)
+    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _fp8_product(input_: torch.Tensor, weight: torch.Tensor, row_scales: torch.Tensor,
@@ -412,8 +452,15 @@ def _fp8_product(input_: torch.Tensor, weight: torch.Tensor, row_scales: torch.T
     epilogue."""
     rows = input_.reshape(-1, input_.shape[-1])  # [num_tokens, in_features]
     quantized, scale_a = quantize_op(rows, input_scale, activation_scale_ub)
-    out = torch._scaled_mm(quantized, weight.t(), scale_a=scale_a, scale_b=row_scales.float().view(1, -1),
-                           out_dtype=input_.dtype)
-    if bias is not None:
-        out = out + bias
+    out = _scaled_product(quantized, scale_a, weight, row_scales, bias, input_.dtype)
     return out.view(*input_.shape[:-1], weight.shape[0])
+
+
+def _scaled_product(quantized: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor,
+                    row_scales: torch.Tensor, bias: torch.Tensor | None,
+                    out_dtype: torch.dtype) -> torch.Tensor:
+    """quantized float8 [num_tokens, in_features] with scale [num_tokens, 1] times the float8 weight
+    [out_features, in_features] with row_scales [out_features], on float8 tensor cores, plus bias."""
+    out = torch._scaled_mm(quantized, weight.t(), scale_a=scale, scale_b=row_scales.float().view(1, -1),
+                           out_dtype=out_dtype)
+    return out if bias is None else out + bias
