@@ -110,13 +110,19 @@ def test_apply_quantized_rejects_what_it_cannot_multiply():
         block.apply_quantized(blocked, quantized, scale, None, torch.bfloat16)
 
 
-def _fused_and_layers_logits(tp_size: int, scheme: str, static: bool, bias: bool) -> tuple:
-    """(fused step's logits, layers' logits, fused steps taken) of one random float8 Llama."""
+# Families with the same layers around other attention: Qwen3's q/k norms, Mistral's sliding window.
+FAMILIES = {"llama": {}, "qwen3": {"model_type": "qwen3", "head_dim": 16},
+            "mistral": {"model_type": "mistral", "sliding_window": 4}}
+
+
+def _fused_and_layers_logits(tp_size: int, scheme: str, static: bool, bias: bool,
+                             family: str = "llama") -> tuple:
+    """(fused step's logits, layers' logits, fused steps taken) of one random float8 Llama-family model."""
     tp = init_tensor_parallel(tp_size) if tp_size > 1 else None
     torch.manual_seed(11)
     method = TensorCoreArithmetic(scheme, static_input_scale=static, quantize_op=quantize_per_token_fp8,
                                   activation_scale_ub=None if static else 30.0)
-    config = {**CONFIG, "attention_bias": bias, "mlp_bias": bias}
+    config = {**CONFIG, "attention_bias": bias, "mlp_bias": bias, **FAMILIES[family]}
     model = LlamaForCausalLM(config, dtype=torch.bfloat16, tp_group=tp, quant_method=method).eval()
     with torch.no_grad():  # norms and biases of their own, which the init leaves at ones and zeros
         for name, param in model.named_parameters():
@@ -141,12 +147,14 @@ def _fused_and_layers_logits(tp_size: int, scheme: str, static: bool, bias: bool
     return got, expected, len(steps)
 
 
-@pytest.mark.parametrize("scheme,static,bias", [("channel", False, False), ("tensor", True, True),
-                                                ("channel", True, False)])
-def test_fused_fp8_step_gives_the_layers_logits(scheme, static, bias):
+@pytest.mark.parametrize("scheme,static,bias,family", [
+    ("channel", False, False, "llama"), ("tensor", True, True, "llama"), ("channel", True, False, "llama"),
+    ("channel", False, False, "qwen3"), ("tensor", False, True, "mistral")])
+def test_fused_fp8_step_gives_the_layers_logits(scheme, static, bias, family):
     """On the CPU the fused ops are the unfused expressions, so the fused step's logits are the layers'
-    bit for bit: every layer's norms, adds, scales and biases in the layers' order."""
-    got, expected, steps = _fused_and_layers_logits(1, scheme, static, bias)
+    bit for bit: every layer's norms, adds, scales and biases in the layers' order, with Qwen3's q/k norms
+    and Mistral's window."""
+    got, expected, steps = _fused_and_layers_logits(1, scheme, static, bias, family)
     assert steps == 1
     assert torch.equal(got, expected)
     assert got.float().std() > 0
