@@ -17,7 +17,12 @@ from tpkit.ops import (
     rms_norm_quantize_fp8,
     silu_and_mul_quantize_fp8,
 )
-from tpkit.parallel_layers import ColumnParallelLinear, Fp8LinearMethod, init_tensor_parallel
+from tpkit.parallel_layers import (
+    ColumnParallelLinear,
+    Fp8LinearMethod,
+    init_tensor_parallel,
+    set_quant_method,
+)
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128, "hidden_size": 64,
           "intermediate_size": 96, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -172,8 +177,9 @@ def test_fused_fp8_step_across_two_ranks(ranks, scheme, static):
 
 
 def test_fused_fp8_step_applies_only_where_it_computes_the_layers():
-    """Not with gradients, not for a method quantizing another way, not for block scales, not with
-    fused_fp8 False; by default (None) not on the CPU, where no float8 tensor cores run."""
+    """Not with gradients, not for a method quantizing another way, not for block scales, not for a model
+    with a product left unquantized, not with fused_fp8 False; by default (None) not on the CPU, where no
+    float8 tensor cores run."""
     torch.manual_seed(0)
     method = Fp8LinearMethod("channel", quantize_op=quantize_per_token_fp8)
     model = LlamaForCausalLM(CONFIG, dtype=torch.bfloat16, quant_method=method).eval()
@@ -198,3 +204,8 @@ def test_fused_fp8_step_applies_only_where_it_computes_the_layers():
         plain = LlamaForCausalLM(CONFIG, dtype=torch.bfloat16).eval()
         plain.fused_fp8 = True
         assert not applies(plain, x)
+        # One product left unquantized: the step runs through the layers.
+        assert set_quant_method(plain, method, skip=["layers.2.mlp.down_proj"]) == 3 * 4 - 1
+        assert not applies(plain, x)
+        positions = torch.arange(40)[None]
+        assert plain.compute_logits(plain.hidden_states(torch.arange(40)[None], positions)).isfinite().all()

@@ -21,10 +21,11 @@ as the layers run them (o_proj's input comes from attention; its layer quantizes
 ``LlamaForCausalLM.fused_fp8`` chooses: None (the default) takes this step where the products would run on
 float8 tensor cores (:meth:`Fp8LinearMethod.tensor_cores_apply`) and no decode kernel takes them; True at
 every step without gradients that the fused decode step does not take (the ops' PyTorch expressions and
-the dequantized products where the kernels do not run, as on the CPU); False never. It applies to SwiGLU
-MLPs with the layers' own norms and no sequence parallelism, on any number of ranks (the row-parallel
-products' all-reduce before each residual add), and only while every layer's method has
-``quantize_per_token_fp8`` as its ``quantize_op`` (what the fused ops compute).
+the dequantized products where the kernels do not run, as on the CPU); False never. It applies where every
+layer's qkv_proj, gate_up_proj and down_proj hold float8 weights with one scale a tensor or a row and a
+method whose ``quantize_op`` is ``quantize_per_token_fp8`` (what the fused ops compute), to SwiGLU MLPs with
+the layers' own norms, without sequence parallelism, on any number of ranks (the row-parallel products'
+all-reduce before each residual add).
 """
 
 from __future__ import annotations
@@ -57,14 +58,15 @@ def fused_fp8_applies(model: LlamaForCausalLM, x: torch.Tensor) -> bool:
     :func:`fused_fp8_step`, as ``model.fused_fp8`` says (the caller has ruled out the fused decode step)."""
     if model.fused_fp8 is False or torch.is_grad_enabled() or model.sequence_parallel:
         return False
-    layer = model.layers[0]
-    if layer.mlp.act is not F.silu or not all(_fuses(proj) for proj in _products(layer)):
+    first = model.layers[0]
+    if first.mlp.act is not F.silu or not all(_fuses(proj) for proj in _products(first)):
         return False
-    if model.fused_fp8:
-        return True
-    qkv_proj = layer.self_attn.qkv_proj
-    return (qkv_proj.quant_method.tensor_cores_apply(qkv_proj, x)
-            and not decode_kernel_applies(x, qkv_proj.weight))
+    qkv_proj = first.self_attn.qkv_proj
+    if model.fused_fp8 is None and not (qkv_proj.quant_method.tensor_cores_apply(qkv_proj, x)
+                                        and not decode_kernel_applies(x, qkv_proj.weight)):
+        return False
+    # The other layers' products too: a model may leave some unquantized.
+    return all(_fuses(proj) for layer in model.layers[1:] for proj in _products(layer))
 
 
 def _products(layer: LlamaDecoderLayer) -> tuple[nn.Module, ...]:
@@ -77,7 +79,7 @@ def _fuses(layer: nn.Module) -> bool:
     do."""
     method = layer.quant_method
     return (isinstance(method, Fp8LinearMethod) and method.quantize_op is quantize_per_token_fp8
-            and method.row_scales(layer) is not None)
+            and method.weight_scheme != "block" and layer.weight.dtype == torch.float8_e4m3fn)
 
 
 def _scale_args(layer: nn.Module) -> tuple[torch.Tensor | None, float | None]:
