@@ -82,6 +82,27 @@ def test_fused_quantizations_are_the_unfused_expressions(dtype):
     assert torch.isnan(scale[3]) and not torch.isnan(scale[:3]).any()
 
 
+def test_fused_quantizations_opcheck_and_compile():
+    """Schema and fake implementation (opcheck) of each op, strided rows included, and the three in one
+    compiled graph."""
+    x, residual, gate_up = _rows(6, 48, 0), _rows(6, 48, 1), _rows(6, 80, 2)[:, 8:]
+    weight, static = _rows(1, 48, 3)[0], torch.tensor(0.05)
+    for input_scale, bound in ((None, None), (static, None), (None, 20.0)):
+        ops = torch.ops.tpkit
+        torch.library.opcheck(ops.silu_and_mul_quantize_fp8.default, (gate_up, input_scale, bound))
+        torch.library.opcheck(ops.rms_norm_quantize_fp8.default, (x, weight, 1e-5, input_scale, bound))
+        torch.library.opcheck(ops.add_rms_norm_quantize_fp8.default,
+                              (x[:, :40], residual[:, 8:], weight[:40], 1e-5, input_scale, bound))
+
+    def fused(x, residual, gate_up, weight):
+        return (*rms_norm_quantize_fp8(x, weight, 1e-5),
+                *add_rms_norm_quantize_fp8(x, residual, weight, 1e-5),
+                *silu_and_mul_quantize_fp8(gate_up, None, 20.0))
+
+    compiled = torch.compile(fused, backend="aot_eager", fullgraph=True)
+    _assert_same(compiled(x, residual, gate_up, weight), fused(x, residual, gate_up, weight))
+
+
 def test_fused_quantizations_reject_bad_arguments():
     x, weight = _rows(4, 16, 0), _rows(1, 16, 1)[0]
     cases = [
