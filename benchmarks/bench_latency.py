@@ -10,7 +10,8 @@ decode steps' products on tpkit's decode kernel reading float8, the prefill's on
 ``--kv-cache-dtype fp8`` a float8 KV cache; transformers runs bf16 as before. With ``--quantization fp8``
 part 1 also measures the float8 model against the bf16 model it is quantized from, in the same process
 (``latency_fp8.py``): that model first (same variants, bf16 KV cache), then the float8 one; each one's
-prefill alone (batch 8 x ``--prefill-len`` 1024 prompt tokens) in tokens/s; and the float8 model's greedy
+prefill alone (batch 8 x ``--prefill-len`` 1024 prompt tokens) in tokens/s (the float8 one's also through
+its layers' forward, without the fused float8 step); and the float8 model's greedy
 tokens against those of the bf16 model holding its dequantized weights (positions equal, and per prompt the
 positions before the first difference). Its section prints each variant's bf16 and fp8 times against
 their read floors, the fp8 / bf16 ratio, the prefill tokens/s of both and the agreement, with the goals.
