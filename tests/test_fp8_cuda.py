@@ -136,9 +136,9 @@ def test_fp8_tensor_core_product_within_the_activation_rounding(scheme, static):
         assert torch.equal(row(x), expected)
 
 
-# The activation quantization's row widths: a vector, three, a block's and more than a block holds in
-# registers (32768 features), so that it reads the row a second time.
-QUANTIZE_WIDTHS = [8, 24, 4096, 14336, 28672, 40960]
+# The activation quantization's row widths: a vector, three, a model's, and more than shared memory holds
+# (about 116K 16-bit features; SwiGLU's two halves about 58K), so that it copies the row a second time.
+QUANTIZE_WIDTHS = [8, 24, 4096, 14336, 28672, 40960, 73728, 131072]
 # Bit patterns of a negative NaN, which a float assignment would make positive.
 NEGATIVE_NAN = {torch.bfloat16: -64, torch.float16: -512}  # 0xffc0, 0xfe00
 

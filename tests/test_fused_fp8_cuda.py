@@ -45,8 +45,8 @@ def _codes(quantized: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_silu_and_mul_quantization_kernel_bit_for_bit(dtype, features):
     """The fused SwiGLU quantization against SwiGLU then the quantization on the GPU: float8 values and
-    scales bit for bit, NaN and infinities included, contiguous and strided rows, rows longer than a
-    block holds; and 0 rows."""
+    scales bit for bit, NaN and infinities included, contiguous and strided rows, rows wider than shared
+    memory holds (copied and made again to quantize); and 0 rows."""
     for pad in (0, 8):
         gate_up = _activation_rows(24, 2 * features, dtype, features + pad, pad)
         for value, bound in SCALES:
@@ -76,12 +76,13 @@ def _assert_norm_quantized(got: tuple, expected: tuple) -> None:
     assert quantized[nan_rows].float().isnan().all()
 
 
-@pytest.mark.parametrize("features", [64, 4096, 8192, 40960])
+@pytest.mark.parametrize("features", [64, 4096, 8192, 40960, 73728, 131072])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_rms_norm_quantization_kernel_against_the_norm_quantized(dtype, features):
     """RMSNorm, after a residual add or alone, then the quantization, in one kernel: the sum bit for bit
     (rows of every magnitude, strided inputs and residuals, a NaN row and an infinity), the float8 rows
-    as :func:`_assert_norm_quantized` says, with dynamic, bounded and static scales."""
+    as :func:`_assert_norm_quantized` says, with dynamic, bounded and static scales; rows wider than shared
+    memory holds with the residual (73728 features) and without it (131072), copied again to quantize."""
     gen = torch.Generator(device="cuda").manual_seed(features)
     for pad in (0, 8):
         wide = torch.randn(40, features + pad, device="cuda", generator=gen)
