@@ -225,8 +225,13 @@ def test_fused_fp8_step_applies_only_where_it_computes_the_layers():
         plain = LlamaForCausalLM(CONFIG, dtype=torch.bfloat16).eval()
         plain.fused_fp8 = True
         assert not applies(plain, x)
-        # One product left unquantized: the step runs through the layers.
+        # One product left unquantized, or one norm in float32: the step runs through the layers.
         assert set_quant_method(plain, method, skip=["layers.2.mlp.down_proj"]) == 3 * 4 - 1
         assert not applies(plain, x)
+        float32_norm = LlamaForCausalLM(CONFIG, dtype=torch.bfloat16, quant_method=method).eval()
+        float32_norm.fused_fp8 = True
+        assert applies(float32_norm, x)
+        float32_norm.layers[1].post_attention_layernorm.float()
+        assert not applies(float32_norm, x)
         positions = torch.arange(40)[None]
         assert plain.compute_logits(plain.hidden_states(torch.arange(40)[None], positions)).isfinite().all()

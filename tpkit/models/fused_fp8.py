@@ -59,14 +59,14 @@ def fused_fp8_applies(model: LlamaForCausalLM, x: torch.Tensor) -> bool:
     if model.fused_fp8 is False or torch.is_grad_enabled() or model.sequence_parallel:
         return False
     first = model.layers[0]
-    if first.mlp.act is not F.silu or not all(_fuses(proj) for proj in _products(first)):
+    if first.mlp.act is not F.silu or not _layer_fuses(first, x.dtype):
         return False
     qkv_proj = first.self_attn.qkv_proj
     if model.fused_fp8 is None and not (qkv_proj.quant_method.tensor_cores_apply(qkv_proj, x)
                                         and not decode_kernel_applies(x, qkv_proj.weight)):
         return False
-    # The other layers' products too: a model may leave some unquantized.
-    return all(_fuses(proj) for layer in model.layers[1:] for proj in _products(layer))
+    # The other layers too: a model may leave some products unquantized.
+    return all(_layer_fuses(layer, x.dtype) for layer in model.layers[1:])
 
 
 def _products(layer: LlamaDecoderLayer) -> tuple[nn.Module, ...]:
@@ -74,12 +74,18 @@ def _products(layer: LlamaDecoderLayer) -> tuple[nn.Module, ...]:
     return layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
 
 
-def _fuses(layer: nn.Module) -> bool:
-    """Float8 weights with one scale a tensor or a row, whose method quantizes activations as the fused ops
-    do."""
-    method = layer.quant_method
-    return (isinstance(method, Fp8LinearMethod) and method.quantize_op is quantize_per_token_fp8
-            and method.weight_scheme != "block" and layer.weight.dtype == torch.float8_e4m3fn)
+def _layer_fuses(layer: LlamaDecoderLayer, dtype: torch.dtype) -> bool:
+    """The layer's norms hold weights of the activations' dtype (the fused ops' norms take no other), and
+    each product float8 weights with one scale a tensor or a row, its method quantizing activations as the
+    fused ops do."""
+    if layer.input_layernorm.weight.dtype != dtype or layer.post_attention_layernorm.weight.dtype != dtype:
+        return False
+    for product in _products(layer):
+        method = product.quant_method
+        if not (isinstance(method, Fp8LinearMethod) and method.quantize_op is quantize_per_token_fp8
+                and method.weight_scheme != "block" and product.weight.dtype == torch.float8_e4m3fn):
+            return False
+    return True
 
 
 def _scale_args(layer: nn.Module) -> tuple[torch.Tensor | None, float | None]:

@@ -4,9 +4,9 @@ Before each float8 tensor-core product (``torch._scaled_mm``) ``tpkit.parallel_l
 quantizes its activations: each token's scale its amax (at most ``activation_scale_ub``) over 448, or a static
 ``input_scale``, and its values ``saturate(x / scale)`` in float8 E4M3. :func:`quantize_per_token_fp8`'s
 PyTorch implementation (:func:`_quantize_reference`) passes over the input four times, several of them in
-float32. The kernel takes a thread block a row: it reads the row once, keeps it in registers while the block
-reduces its amax, and writes the float8 row and its scale, bit for bit what the PyTorch implementation gives
-on the GPU (NaN and infinities included). The method takes :func:`quantize_per_token_fp8` as its
+float32. The kernel takes a thread block a row: it copies the row into shared memory once, reduces its amax
+there and writes the float8 row and its scale, bit for bit what the PyTorch implementation gives on the GPU
+(NaN and infinities included). The method takes :func:`quantize_per_token_fp8` as its
 ``quantize_op``, without which it multiplies by the dequantized weight.
 
 A model's step on float8 tensor cores (``tpkit.models.fused_fp8``) quantizes the activations where they are
