@@ -264,7 +264,7 @@ class Fp8LinearMethod(QuantizationMethod):
         """Whether :meth:`apply` multiplies ``input_`` on float8 tensor cores, its activations quantized by
         ``quantize_op``, where ``decode_op`` declines it: per-tensor or per-channel float8 weights, a
         ``quantize_op``, and a device, dtype and sizes that ``torch._scaled_mm`` takes."""
-        return (self.quantize_op is not None and self.row_scales(layer) is not None
+        return (self.quantize_op is not None and self.weight_scheme != "block"
                 and _scaled_mm_applies(input_, layer.weight))
 
     def apply_quantized(self, layer: _LinearBase, quantized: torch.Tensor, scale: torch.Tensor,
