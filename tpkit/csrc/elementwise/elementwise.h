@@ -61,7 +61,7 @@ typedef struct {
 } tpkit_quantize_fp8_args;
 
 // The quantization fused with what comes before it: each quantizes, as tpkit_quantize_fp8_args says, the values
-// below, which it makes in registers and does not write.
+// below, which it makes in shared memory and does not write.
 // - SwiGLU (tpkit_silu_and_mul_quantize_fp8_*, the tpkit_quantize_fp8_args above): input is [num_rows,
 //   2 * features], the gate's half of each row then the up half, and the row's values silu(gate) * up as
 //   tpkit_silu_and_mul computes them.

@@ -1,7 +1,7 @@
 // Per-token float8 quantization (elementwise.h): a thread block a row, its scale a reduction over the row.
-// The row's values come from a source: the input's rows, SwiGLU of a gate/up product's rows, or an RMSNorm of
-// the residual stream (after the residual add), each computed as its own kernel computes it, so that a fused
-// quantization gives the float8 bits of the unfused kernels' output quantized. Torch-free.
+// The row's values are the input's row, SwiGLU of a gate/up product's row, or an RMSNorm of the residual
+// stream (after the residual add), each computed as its own kernel computes it, so that a fused quantization
+// gives the float8 bits of the unfused kernels' output quantized. Torch-free.
 //
 // The row's 16-bit inputs (one part, or two: SwiGLU's gate and up, the norm's input and residual) are copied
 // into shared memory with cp.async, up to `chunk` vectors of each part at once. The copies hold no registers,
