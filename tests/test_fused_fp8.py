@@ -37,8 +37,7 @@ class TensorCoreArithmetic(Fp8LinearMethod):
     def apply(self, layer, input_, bias, rows=None):
         assert rows is None
         flat = input_.reshape(-1, input_.shape[-1])  # [num_tokens, in_features]
-        input_scale = layer.input_scale.max() if self.static_input_scale else None
-        quantized, scale = self.quantize_op(flat, input_scale, self.activation_scale_ub)
+        quantized, scale = self.quantize_op(flat, *self.activation_scales(layer))
         out = self.apply_quantized(layer, quantized, scale, bias, input_.dtype)
         return out.view(*input_.shape[:-1], -1)
 

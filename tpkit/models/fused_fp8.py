@@ -88,10 +88,9 @@ def _layer_fuses(layer: LlamaDecoderLayer, dtype: torch.dtype) -> bool:
     return True
 
 
-def _scale_args(layer: nn.Module) -> tuple[torch.Tensor | None, float | None]:
+def _scales(layer: nn.Module) -> tuple[torch.Tensor | None, float | None]:
     """``(input_scale, activation_scale_ub)`` with which ``layer``'s product quantizes its input."""
-    method = layer.quant_method
-    return (layer.input_scale.max() if method.static_input_scale else None), method.activation_scale_ub
+    return layer.quant_method.activation_scales(layer)
 
 
 def _product(layer: nn.Module, activations: _Quantized, out_dtype: torch.dtype) -> torch.Tensor:
@@ -112,16 +111,16 @@ def fused_fp8_step(model: LlamaForCausalLM, x: torch.Tensor, rotations: dict[str
     first = model.layers[0]
     norm = first.input_layernorm
     activations = rms_norm_quantize_fp8(residual, norm.weight, norm.eps,
-                                        *_scale_args(first.self_attn.qkv_proj))
+                                        *_scales(first.self_attn.qkv_proj))
     for i, (layer, layer_type) in enumerate(zip(model.layers, model.layer_types, strict=True)):
         attn, mlp = layer.self_attn, layer.mlp
         qkv = _product(attn.qkv_proj, activations, x.dtype).view(batch, seq, -1)
         out = attn.from_qkv(qkv, *rotations[layer_type], kv_cache, metadata)  # [batch, seq, hidden]
         norm = layer.post_attention_layernorm
         *activations, residual = add_rms_norm_quantize_fp8(out.reshape(-1, hidden), residual, norm.weight,
-                                                           norm.eps, *_scale_args(mlp.gate_up_proj))
+                                                           norm.eps, *_scales(mlp.gate_up_proj))
         gate_up = _product(mlp.gate_up_proj, activations, x.dtype)  # [num_tokens, 2 * intermediate / tp]
-        down = _product(mlp.down_proj, silu_and_mul_quantize_fp8(gate_up, *_scale_args(mlp.down_proj)),
+        down = _product(mlp.down_proj, silu_and_mul_quantize_fp8(gate_up, *_scales(mlp.down_proj)),
                         x.dtype)  # [num_tokens, hidden]
         if i + 1 == model.num_layers:
             residual = residual + down
@@ -129,5 +128,5 @@ def fused_fp8_step(model: LlamaForCausalLM, x: torch.Tensor, rotations: dict[str
         after = model.layers[i + 1]
         norm = after.input_layernorm
         *activations, residual = add_rms_norm_quantize_fp8(down, residual, norm.weight, norm.eps,
-                                                           *_scale_args(after.self_attn.qkv_proj))
+                                                           *_scales(after.self_attn.qkv_proj))
     return model.norm(residual.view(batch, seq, hidden))

@@ -260,6 +260,12 @@ class Fp8LinearMethod(QuantizationMethod):
         return self._expand(getattr(layer, self.scale_name), layer.weight.shape,
                             layer.shard_parts(layer.weight)).reshape(-1)
 
+    def activation_scales(self, layer: _LinearBase) -> tuple[torch.Tensor | None, float | None]:
+        """``(input_scale, activation_scale_ub)`` with which the layer's product quantizes its input, as
+        ``quantize_op`` takes them: the largest of the layer's static input scales (the one scale the shared
+        input can have), or None for dynamic per-token scales."""
+        return (layer.input_scale.max() if self.static_input_scale else None), self.activation_scale_ub
+
     def tensor_cores_apply(self, layer: _LinearBase, input_: torch.Tensor) -> bool:
         """Whether :meth:`apply` multiplies ``input_`` on float8 tensor cores, its activations quantized by
         ``quantize_op``, where ``decode_op`` declines it: per-tensor or per-channel float8 weights, a
@@ -304,8 +310,7 @@ class Fp8LinearMethod(QuantizationMethod):
             if out is not None:
                 return out
         if per_row and self.quantize_op is not None and _scaled_mm_applies(input_, weight):
-            input_scale = layer.input_scale.max() if self.static_input_scale else None
-            return _fp8_product(input_, weight, row_scales, bias, input_scale, self.activation_scale_ub,
+            return _fp8_product(input_, weight, row_scales, bias, *self.activation_scales(layer),
                                 self.quantize_op)
         dequantized = self.dequantized_weight(layer, input_.dtype)
         return F.linear(input_, dequantized if rows is None else dequantized[rows], bias)

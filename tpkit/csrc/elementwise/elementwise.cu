@@ -1,5 +1,5 @@
-// The C entry points of the prefill's element-wise kernels and quantizations (elementwise.h): support checks, grid sizes and
-// dtype dispatch. Torch-free.
+// The C entry points of the prefill's element-wise kernels and quantizations (elementwise.h): support checks,
+// grid sizes and dtype dispatch. Torch-free.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
