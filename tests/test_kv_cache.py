@@ -237,10 +237,11 @@ def test_host_longs_equal_a_tensor_of_the_values(seed):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_segment_ids_equal_repeat_interleave(seed):
-    """Each element's segment for random segment lengths (zeros among them, at either end too) is what
-    ``torch.repeat_interleave`` of the segment indices gives."""
+    """Each element's segment for random segment lengths (zeros among them, at either end too; thousands of
+    elements a segment, as a prefill's prompts) is what ``torch.repeat_interleave`` of the segment indices
+    gives."""
     gen = torch.Generator().manual_seed(seed)
-    for num_segments in (0, 1, 2, 7, 300):
-        counts = torch.randint(0, 5, (num_segments,), generator=gen)
+    for num_segments, longest in ((0, 5), (1, 5), (2, 5), (7, 5), (300, 5), (8, 3000)):
+        counts = torch.randint(0, longest, (num_segments,), generator=gen)
         expected = torch.repeat_interleave(torch.arange(num_segments), counts)
         assert torch.equal(_segment_ids(counts), expected)

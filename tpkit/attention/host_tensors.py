@@ -19,12 +19,15 @@ def host_longs(values: Iterable[int]) -> torch.Tensor:
 
 def _segment_ids(counts: torch.Tensor) -> torch.Tensor:
     """``i`` repeated ``counts[i]`` times, int64 ``[sum(counts)]``: which segment each element of segments of
-    those lengths, laid end to end, belongs to. A binary search of the segments' ends rather than
-    ``torch.repeat_interleave``, whose CPU kernel wakes every thread of the intra-op pool even for a handful
-    of elements: a step's metadata takes a few microseconds instead of hundreds on a many-core host."""
+    those lengths, laid end to end, belongs to. The running count of the segments that end at or before each
+    element, by ops that run on one thread below tens of thousands of elements: ``torch.repeat_interleave``
+    and ``torch.searchsorted`` split a few hundred elements over the whole intra-op pool, whose wake-up can
+    stall the host for milliseconds (tens of them where the process has fewer cores than threads)."""
     ends = counts.cumsum(0)  # [num_segments]
     total = int(ends[-1]) if ends.numel() else 0
-    return torch.searchsorted(ends, torch.arange(total), right=True)
+    ended = torch.zeros(total + 1, dtype=torch.int64)  # [total + 1]: segments ending at each element
+    ended.index_add_(0, ends, torch.ones_like(ends))
+    return ended[:total].cumsum(0)
 
 
 def _block_tables(blocks: Sequence[array.array], width: int) -> torch.Tensor:
