@@ -166,6 +166,14 @@ def _activation_rows(num_rows: int, features: int, dtype: torch.dtype, seed: int
     return rows
 
 
+def _shuffled_rows(num_rows: int, features: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """:func:`_activation_rows` (contiguous) in a random order ``[num_rows, features]``: the rows the
+    quantization takes apart anywhere among thousands."""
+    rows = _activation_rows(num_rows, features, dtype, seed, 0)
+    order = torch.randperm(num_rows, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+    return rows[order]
+
+
 def _assert_quantized_alike(rows: torch.Tensor, input_scale: torch.Tensor | None,
                             bound: float | None) -> None:
     """The kernel's float8 rows and scales are the PyTorch path's, bit for bit."""
@@ -196,6 +204,42 @@ def test_activation_quantization_kernel_bit_for_bit(dtype, features):
     _assert_quantized_alike(empty, None, None)
     quantized, scale = quantize_per_token_fp8(empty)
     assert quantized.shape == (0, features) and scale.shape == (0, 1)
+
+
+def _every_finite_value(dtype: torch.dtype) -> torch.Tensor:
+    """Every finite value of the 16-bit dtype once, shuffled, then repeated to a multiple of 4096 ``[n]``."""
+    values = torch.arange(-(2**15), 2**15, dtype=torch.int32, device="cuda").to(torch.int16).view(dtype)
+    values = values[values.isfinite()]
+    gen = torch.Generator("cuda").manual_seed(0)
+    values = values[torch.randperm(values.numel(), device="cuda", generator=gen)]
+    return torch.cat([values, values[:-values.numel() % 4096]])  # pads to the next multiple
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_activation_quantization_kernel_divides_every_value_exactly(dtype):
+    """Every finite 16-bit value over static scales from 2^-126 to 2^126 (and the dtype's extremes) and over
+    dynamic scales (rows of 256 of them, each its own amax; bounded too), bit for bit: the kernel's quotient
+    of a finite row is the IEEE one, though it divides by multiplying with the scale's inverse."""
+    values = _every_finite_value(dtype)
+    gen = torch.Generator().manual_seed(1)
+    exponents = torch.empty(96).uniform_(-126, 126, generator=gen)
+    scales = [2.0**e for e in exponents.tolist()] + [2.0**-126, 2.0**126, 1.0, 3.0, 1 / 448, 1e-12]
+    scales += [torch.finfo(dtype).max / 448, torch.finfo(dtype).tiny, torch.finfo(dtype).smallest_normal / 7]
+    rows = values.view(-1, 4096)  # [n / 4096, 4096]
+    for scale in scales:
+        _assert_quantized_alike(rows, torch.tensor(scale, device="cuda"), None)
+    for bound in (None, 1e-3, 1.0, 300.0):
+        _assert_quantized_alike(values.view(-1, 256), None, bound)
+
+
+@pytest.mark.parametrize("features", [8, 4096, 14336])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_activation_quantization_kernel_on_shuffled_rows(dtype, features):
+    """Thousands of rows (more blocks than the device runs at once), the zero, NaN, infinite and extreme
+    rows anywhere among them: bit for bit with every kind of scale."""
+    rows = _shuffled_rows(3000, features, dtype, features)
+    for input_scale, bound in [(None, None), (None, 50.0), (torch.tensor(3e-3, device="cuda"), None)]:
+        _assert_quantized_alike(rows, input_scale, bound)
 
 
 @pytest.mark.parametrize("num_rows,features", [(8192, 2048), (4096, 4096), (1200, 14336)])

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from cuda_graphs import capture
-from test_fp8_cuda import QUANTIZE_WIDTHS, _activation_rows
+from test_fp8_cuda import QUANTIZE_WIDTHS, _activation_rows, _shuffled_rows
 
 from tpkit.models import LlamaForCausalLM, llama
 from tpkit.ops import (
@@ -58,6 +58,26 @@ def test_silu_and_mul_quantization_kernel_bit_for_bit(dtype, features):
             assert torch.equal(out.view(torch.uint8), expected.view(torch.uint8))
     quantized, scale = silu_and_mul_quantize_fp8(torch.empty(0, 2 * features, dtype=dtype, device="cuda"))
     assert quantized.shape == (0, features) and scale.shape == (0, 1)
+
+
+@pytest.mark.parametrize("features", [8, 4096, 14336])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_fused_quantizations_on_shuffled_rows(dtype, features):
+    """Thousands of rows (more blocks than the device runs at once), the zero, NaN, infinite and extreme
+    rows anywhere among them: SwiGLU's bit for bit, the norm's sum bit for bit and its float8 rows as
+    :func:`_assert_norm_quantized` says."""
+    gate_up = _shuffled_rows(3000, 2 * features, dtype, features)
+    x, residual = gate_up[:, :features], _shuffled_rows(3000, features, dtype, features + 1)
+    weight = (torch.rand(features, device="cuda") + 0.5).to(dtype)
+    for value, bound in SCALES:
+        got = silu_and_mul_quantize_fp8(gate_up, _scale(value), bound)
+        expected = _silu_and_mul_quantize_reference(gate_up, _scale(value), bound)
+        assert torch.equal(got[1].view(torch.int32), expected[1].view(torch.int32))
+        assert torch.equal(got[0].view(torch.uint8), expected[0].view(torch.uint8))
+        got = add_rms_norm_quantize_fp8(x, residual, weight, 1e-5, _scale(value), bound)
+        expected = _add_rms_norm_quantize_reference(x, residual, weight, 1e-5, _scale(value), bound)
+        torch.testing.assert_close(got[2], expected[2], rtol=0, atol=0, equal_nan=True)
+        _assert_norm_quantized(got, expected)
 
 
 def _assert_norm_quantized(got: tuple, expected: tuple) -> None:

@@ -5,9 +5,10 @@
 //
 // The row's 16-bit inputs (one part, or two: SwiGLU's gate and up, the norm's input and residual) are copied
 // into shared memory with cp.async, up to `chunk` vectors of each part at once. The copies hold no registers,
-// so that a multiprocessor keeps several rows' loads in flight while other blocks reduce and store. The block
-// makes the row's values in shared memory once, reads them for the amax and again to quantize; a row longer
-// than a chunk is copied and made again, chunk by chunk, to quantize.
+// so that a multiprocessor keeps several rows' loads in flight. Each thread copies its own vectors and makes
+// each one's values as it lands, while its later copies are in flight; only the amax (and the norm's sum of
+// squares) joins the block's threads. Where the row is one chunk its values stay in shared memory until they
+// are quantized; a longer row is copied and made again, chunk by chunk, to quantize.
 #pragma once
 
 #include <cuda_fp8.h>
@@ -89,19 +90,45 @@ __device__ __forceinline__ float dynamic_scale(float amax, float bound) {
 // The float8 E4M3 bits of a NaN quotient: torch's conversion keeps its sign.
 __device__ __forceinline__ uint32_t fp8_nan(float q) { return 0x7fu | ((__float_as_uint(q) >> 24) & 0x80u); }
 
-// Eight values over `scale`, in float32 (IEEE division, as torch.div of the promoted input), saturated to
-// +-448 and rounded to nearest even into float8 E4M3: the saturating conversion is the clamp to +-448 and
-// torch's conversion for every quotient but NaN, which it maps to NaN without its sign; kNanPossible rows
-// (a NaN or infinity in the row, or a scale that is not finite and nonzero) put the sign back.
-template <typename T, bool kNanPossible>
-__device__ __forceinline__ uint2 quantize8(const uint4 raw, float scale) {
+// x / scale as IEEE division computes it (torch.div of the promoted input), for every x and scale.
+struct ExactQuotient {
+  float scale;
+  __device__ __forceinline__ float operator()(float x) const { return x / scale; }
+};
+
+// x / scale from `inverse`, the correctly rounded 1 / scale: q = x * inverse is within an ulp of the quotient,
+// and one correction, q + (x - q * scale) * inverse with each step one fma, rounds it correctly (Markstein's
+// theorem), where no step overflows and the scale and its inverse are positive normal numbers. A quotient
+// that underflows may differ from the IEEE one but rounds to the same float8 (zero); the sign is x's, as a
+// zero quotient's is. Three operations instead of a division's sequence.
+struct ReciprocalQuotient {
+  float scale, inverse;
+  __device__ __forceinline__ float operator()(float x) const {
+    const float q = x * inverse;
+    return copysignf(fmaf(fmaf(-q, scale, x), inverse, q), x);
+  }
+};
+
+// Whether ReciprocalQuotient gives the IEEE quotient over `scale` of every value of a row of magnitudes up
+// to `amax`: a finite row (no NaN, no infinity) whose largest quotient does not overflow.
+__device__ __forceinline__ bool reciprocal_applies(bool finite_row, float amax, float scale, float inverse) {
+  constexpr float kLargest = 0x1p126f;  // below overflow for the correction's steps
+  return finite_row && scale >= 0x1p-126f && scale < kLargest && inverse >= 0x1p-126f && amax * inverse < kLargest;
+}
+
+// Eight values `quotient(x)` (x / scale), saturated to +-448 and rounded to nearest even into float8 E4M3:
+// the saturating conversion is the clamp to +-448 and torch's conversion for every quotient but NaN, which it
+// maps to NaN without its sign; kNanPossible rows (a NaN or infinity in the row, or a scale that is not finite
+// and nonzero) put the sign back.
+template <typename T, bool kNanPossible, typename Quotient>
+__device__ __forceinline__ uint2 quantize8(const uint4 raw, const Quotient& quotient) {
   Vector8<T> x;
   x.raw = raw;
   uint32_t words[2] = {0u, 0u};
 #pragma unroll
   for (int p = 0; p < kVector / 2; ++p) {
-    const float lo = DTypeTraits<T>::to_float(x.values[2 * p]) / scale;
-    const float hi = DTypeTraits<T>::to_float(x.values[2 * p + 1]) / scale;
+    const float lo = quotient(DTypeTraits<T>::to_float(x.values[2 * p]));
+    const float hi = quotient(DTypeTraits<T>::to_float(x.values[2 * p + 1]));
     uint32_t pair = __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3);
     if constexpr (kNanPossible) {
       if (isnan(lo)) pair = (pair & 0xff00u) | fp8_nan(lo);
@@ -131,19 +158,18 @@ __device__ __forceinline__ uint4 add8(const uint4 x, const uint4 y, float& squar
   return s.raw;
 }
 
-// How a staged chunk becomes the row's values: prepare(smem, chunk, j, column) turns vector j of part 0 (the
-// row's vector `column`) into the values in place, from the parts staged; each thread prepares the vectors it
-// then reads, so that every value is made once.
+// How a staged chunk becomes the row's values: make(smem, chunk, j, column) is vector j of the chunk (the
+// row's vector `column`) from the parts staged (part p's vector j at smem + p * chunk + j).
 // The input's row, as it is.
 struct RowValues {
-  __device__ __forceinline__ void prepare(uint4*, int64_t, int64_t, int64_t) const {}
+  __device__ __forceinline__ uint4 make(const uint4* smem, int64_t, int64_t j, int64_t) const { return smem[j]; }
 };
 
 // silu(gate) * up, the gate in part 0 and the up in part 1.
 template <typename T>
 struct SiluAndMulValues {
-  __device__ __forceinline__ void prepare(uint4* smem, int64_t chunk, int64_t j, int64_t) const {
-    smem[j] = silu_and_mul8<T>(smem[j], smem[chunk + j]);
+  __device__ __forceinline__ uint4 make(const uint4* smem, int64_t chunk, int64_t j, int64_t) const {
+    return silu_and_mul8<T>(smem[j], smem[chunk + j]);
   }
 };
 
@@ -152,51 +178,52 @@ template <typename T>
 struct NormedValues {
   const uint4* weight;
   float rstd;
-  __device__ __forceinline__ void prepare(uint4* smem, int64_t, int64_t j, int64_t column) const {
-    smem[j] = normed8<T>(smem[j], __ldg(weight + column), rstd);
+  __device__ __forceinline__ uint4 make(const uint4* smem, int64_t, int64_t j, int64_t column) const {
+    return normed8<T>(smem[j], __ldg(weight + column), rstd);
   }
 };
 
-// Copies vectors [base, base + count) of each part's row (part p from rows[p]) into smem (part p at smem +
-// p * chunk), waits for them, and syncs the block.
-template <int kParts>
-__device__ __forceinline__ void stage(uint4* smem, const uint4* const (&rows)[kParts], int parts, int64_t base,
-                                      int64_t count, int64_t chunk) {
-  for (int64_t j = threadIdx.x; j < count; j += blockDim.x) {
+// Copies this thread's vectors j of chunk [base, base + count) (j = threadIdx.x, then a block's width apart)
+// of each part's row (part p from rows[p]) into smem, part p's at smem + p * chunk + j, a cp.async group for
+// each j; then calls visit(j) as each group lands, so that a thread's later copies are in flight while it
+// works on the earlier ones. A thread reads only the shared memory its own copies wrote, so no barrier is
+// needed between chunks or before the visits.
+template <int kParts, typename Visit>
+__device__ __forceinline__ void stage_each(uint4* smem, const uint4* const (&rows)[kParts], int parts, int64_t base,
+                                           int64_t count, int64_t chunk, Visit&& visit) {
+  int pending = 0;
+  for (int64_t j = threadIdx.x; j < count; j += blockDim.x, ++pending) {
 #pragma unroll
     for (int p = 0; p < kParts; ++p) {
       if (p < parts) cp_async_16(smem_addr(smem + p * chunk + j), rows[p] + base + j, true);
     }
+    cp_async_commit();
   }
-  cp_async_commit();
-  cp_async_wait<0>();
-  __syncthreads();
+  for (int64_t j = threadIdx.x; j < count; j += blockDim.x) {
+    cp_async_wait_dynamic(--pending);
+    visit(j);
+  }
 }
 
-// Stages chunk [base, base + count) of the parts (after a barrier: every thread is done with the chunk
-// before) and prepares its values.
-template <int kParts, typename Values>
-__device__ __forceinline__ void stage_values(const Values& values, uint4* smem, const uint4* const (&rows)[kParts],
-                                             int parts, int64_t base, int64_t count, int64_t chunk) {
-  __syncthreads();
-  stage(smem, rows, parts, base, count, chunk);
-  for (int64_t j = threadIdx.x; j < count; j += blockDim.x) values.prepare(smem, chunk, j, base + j);
-}
-
-template <typename T, bool kNanPossible, int kParts, typename Values>
+// Quantizes the row's values into `out` by `quotient`: from shared memory where the row is one chunk (its
+// values kept there), else each chunk staged and its values made again.
+template <typename T, bool kNanPossible, int kParts, typename Values, typename Quotient>
 __device__ __forceinline__ void store_row(const Values& values, uint4* smem, const uint4* const (&rows)[kParts],
-                                          int parts, int64_t vectors, int64_t chunk, uint2* out, float scale) {
+                                          int parts, int64_t vectors, int64_t chunk, uint2* out,
+                                          const Quotient& quotient) {
+  if (vectors <= chunk) {
+    for (int64_t j = threadIdx.x; j < vectors; j += blockDim.x) out[j] = quantize8<T, kNanPossible>(smem[j], quotient);
+    return;
+  }
   for (int64_t base = 0; base < vectors; base += chunk) {
-    const int64_t count = min(chunk, vectors - base);
-    if (vectors > chunk) stage_values(values, smem, rows, parts, base, count, chunk);
-    for (int64_t j = threadIdx.x; j < count; j += blockDim.x) {
-      out[base + j] = quantize8<T, kNanPossible>(smem[j], scale);
-    }
+    stage_each(smem, rows, parts, base, min(chunk, vectors - base), chunk, [&](int64_t j) {
+      out[base + j] = quantize8<T, kNanPossible>(values.make(smem, chunk, j, base + j), quotient);
+    });
   }
 }
 
 // Quantizes row blockIdx.x of `values` (`vectors` of them, made from `parts` rows of inputs) into a.out and
-// a.scale. `staged`: the row is one chunk and smem holds its inputs already (not yet prepared).
+// a.scale. `staged`: the row is one chunk and smem holds its inputs already, each thread's own vectors.
 template <typename T, int kParts, typename Values>
 __device__ __forceinline__ void quantize_row(const tpkit_quantize_fp8_args& a, const Values& values, uint4* smem,
                                              const uint4* const (&rows)[kParts], int parts, int64_t vectors,
@@ -204,24 +231,31 @@ __device__ __forceinline__ void quantize_row(const tpkit_quantize_fp8_args& a, c
   const int64_t r = blockIdx.x;
   uint2* out = reinterpret_cast<uint2*>(static_cast<uint8_t*>(a.out) + r * vectors * kVector);
   uint32_t magnitudes = 0u;  // two 16-bit magnitudes' bit patterns
-  for (int64_t base = 0; base < vectors; base += chunk) {
-    const int64_t count = min(chunk, vectors - base);
-    if (staged) {
-      for (int64_t j = threadIdx.x; j < count; j += blockDim.x) values.prepare(smem, chunk, j, j);
-    } else {
-      stage_values(values, smem, rows, parts, base, count, chunk);
+  // Where the row is one chunk its values stay in shared memory, each in place of its vector of part 0.
+  const bool keep = vectors <= chunk;
+  const auto made = [&](int64_t j, int64_t column) {
+    const uint4 v = values.make(smem, chunk, j, column);
+    if (keep) smem[j] = v;
+    magnitudes = max_magnitudes(magnitudes, v);
+  };
+  if (staged) {
+    for (int64_t j = threadIdx.x; j < vectors; j += blockDim.x) made(j, j);
+  } else {
+    for (int64_t base = 0; base < vectors; base += chunk) {
+      stage_each(smem, rows, parts, base, min(chunk, vectors - base), chunk,
+                 [&](int64_t j) { made(j, base + j); });
     }
-    for (int64_t j = threadIdx.x; j < count; j += blockDim.x) magnitudes = max_magnitudes(magnitudes, smem[j]);
   }
   const uint32_t amax_bits = block_max(max(magnitudes & 0xffffu, magnitudes >> 16));
-  const float scale =
-      a.static_scale != nullptr ? *a.static_scale : dynamic_scale(magnitude_value<T>(amax_bits), a.amax_bound);
+  const float amax = magnitude_value<T>(amax_bits);
+  const float scale = a.static_scale != nullptr ? *a.static_scale : dynamic_scale(amax, a.amax_bound);
   if (threadIdx.x == 0) a.scale[r] = scale;
+  const float inverse = 1.f / scale;
   // A finite row over a finite, nonzero scale has no NaN quotient.
-  if (amax_bits < kInfBits<T> && isfinite(scale) && scale != 0.f) {
-    store_row<T, false>(values, smem, rows, parts, vectors, chunk, out, scale);
+  if (reciprocal_applies(amax_bits < kInfBits<T>, amax, scale, inverse)) {
+    store_row<T, false>(values, smem, rows, parts, vectors, chunk, out, ReciprocalQuotient{scale, inverse});
   } else {
-    store_row<T, true>(values, smem, rows, parts, vectors, chunk, out, scale);
+    store_row<T, true>(values, smem, rows, parts, vectors, chunk, out, ExactQuotient{scale});
   }
 }
 
@@ -267,14 +301,11 @@ __global__ void __launch_bounds__(kQuantizeMaxThreads) rms_norm_quantize_fp8_ker
   const uint4 negative_zero = make_uint4(0x80008000u, 0x80008000u, 0x80008000u, 0x80008000u);
   float squares = 0.f;
   for (int64_t base = 0; base < vectors; base += chunk) {
-    const int64_t count = min(chunk, vectors - base);
-    if (base > 0) __syncthreads();
-    stage(smem, inputs, has_residual ? 2 : 1, base, count, chunk);
-    for (int64_t j = threadIdx.x; j < count; j += blockDim.x) {
+    stage_each(smem, inputs, has_residual ? 2 : 1, base, min(chunk, vectors - base), chunk, [&](int64_t j) {
       const uint4 s = add8<T>(smem[j], has_residual ? smem[chunk + j] : negative_zero, squares);
       smem[j] = s;
       if (has_residual) sum[base + j] = s;
-    }
+    });
   }
   // block_sum's barrier: the sums are in shared memory (and residual_out) for every thread.
   const float rstd = rsqrtf(block_sum(squares) / static_cast<float>(q.features) + a.eps);
