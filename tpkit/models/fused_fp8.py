@@ -30,6 +30,7 @@ all-reduce before each residual add).
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING
 
 import torch
@@ -65,8 +66,9 @@ def fused_fp8_applies(model: LlamaForCausalLM, x: torch.Tensor) -> bool:
     if model.fused_fp8 is None and not (qkv_proj.quant_method.tensor_cores_apply(qkv_proj, x)
                                         and not decode_kernel_applies(x, qkv_proj.weight)):
         return False
-    # The other layers too: a model may leave some products unquantized.
-    return all(_layer_fuses(layer, x.dtype) for layer in model.layers[1:])
+    # The other layers too: a model may leave some products unquantized. (A slice of the ModuleList would
+    # build a new one, a module added per layer.)
+    return all(_layer_fuses(layer, x.dtype) for layer in itertools.islice(model.layers, 1, None))
 
 
 def _products(layer: LlamaDecoderLayer) -> tuple[nn.Module, ...]:

@@ -437,7 +437,10 @@ class PagedDecoderOnlyLM(PagedLM):
                 seq_id += 1
             hidden = self._packed_step(cache, chunks)  # [rows, hidden]
             if ends:
-                logits.append(self.compute_logits(hidden[torch.tensor(ends, device=self.device)]))
+                # From pinned memory, queued behind the step: a copy from pageable memory would wait for the
+                # whole step to finish before the host enqueues the logits' kernels.
+                (rows,) = copy_to_device([host_longs(ends)], self.device)
+                logits.append(self.compute_logits(hidden[rows]))
         return torch.cat(logits)
 
     def _packed_step(self, cache: PagedKVCache, chunks: list[tuple[int, int, list[int]]],
