@@ -313,10 +313,15 @@ class PagedKVCache:
         query_start_loc[1:] = q_lens.cumsum(0)
         flat, counts = self._flat_blocks(seq_ids)  # [total_blocks], [num_seqs]
         seq = _segment_ids(q_lens)  # [num_tokens]: each token's sequence
-        # Each token's cache position: the last q_len of its sequence's tokens, in order.
-        positions = torch.arange(seq.shape[0]) - query_start_loc[seq] + (seq_lens - q_lens)[seq]
+        # Each token's cache position: the last q_len of its sequence's tokens, in order. Gathers by
+        # index_select, which runs on one thread: indexing by a tensor splits more than 3000 indices over the
+        # intra-op pool (as _segment_ids says of the pool).
+        positions = (torch.arange(seq.shape[0]) - query_start_loc.index_select(0, seq)
+                     + (seq_lens - q_lens).index_select(0, seq))
         first_block = counts.cumsum(0) - counts  # [num_seqs]: where each sequence's blocks start in flat
-        blocks = flat.long()[first_block[seq] + torch.div(positions, self.block_size, rounding_mode="floor")]
+        block_index = first_block.index_select(0, seq) + torch.div(positions, self.block_size,
+                                                                   rounding_mode="floor")
+        blocks = flat.long().index_select(0, block_index)  # [num_tokens]
         slot_mapping = blocks * self.block_size + positions % self.block_size  # [num_tokens]
         return self._metadata(slot_mapping, block_tables, seq_lens, q_lens, query_start_loc, on_host)
 
