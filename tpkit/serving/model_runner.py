@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from tpkit.attention import AttentionMetadata, copy_to_device
+from tpkit.attention import AttentionMetadata, copy_to_device, host_longs
 from tpkit.models.generation import PagedDecoderOnlyLM, PagedLM
 from tpkit.serving.request import DRAWN, Request
 
@@ -153,10 +153,11 @@ class ModelRunner:
         """The step's ``tokens`` ``[num_tokens]`` on the device, each request's last one (at ``last[i]`` for
         ``batch[i]``) taken from ``drawn`` where the previous step drew it."""
         at, sources = _drawn_patch(batch, last, drawn)
+        token_ids = host_longs(tokens)  # filled in C: a tensor of a list converts a prefill's ints one by one
         if not at:
-            (ids,) = copy_to_device([torch.tensor(tokens)], self.model.device)
+            (ids,) = copy_to_device([token_ids], self.model.device)
             return ids
-        ids, at, sources = copy_to_device([torch.tensor(tokens), torch.tensor(at), torch.tensor(sources)],
+        ids, at, sources = copy_to_device([token_ids, torch.tensor(at), torch.tensor(sources)],
                                           self.model.device)
         ids[at] = drawn[0][sources]
         return ids
