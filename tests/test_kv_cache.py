@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tpkit.attention import AttentionMetadata, PagedKVCache, host_longs
-from tpkit.attention.host_tensors import _copy_packed, _segment_ids
+from tpkit.attention.host_tensors import _copy_packed, _segment_ids, token_positions
 
 
 def make_cache(num_blocks=10, block_size=4, **overrides):
@@ -233,6 +233,20 @@ def test_host_longs_equal_a_tensor_of_the_values(seed):
             got = host_longs(given)
             assert got.dtype == torch.int64 and got.shape == (count,)
             assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_token_positions_equal_a_loop_over_the_segments(seed):
+    """Random starts and segment lengths (zeros among them, thousands of tokens in some): each segment's
+    starts[i], starts[i] + 1, ... one after another, as a loop over ranges makes them."""
+    gen = torch.Generator().manual_seed(seed)
+    for num_segments, longest in ((0, 5), (1, 5), (9, 3), (300, 2), (8, 3000)):
+        counts = torch.randint(0, longest, (num_segments,), generator=gen)
+        starts = torch.randint(0, 10_000, (num_segments,), generator=gen)
+        expected = [p for start, n in zip(starts.tolist(), counts.tolist(), strict=True)
+                    for p in range(start, start + n)]
+        got = token_positions(starts, counts)
+        assert got.dtype == torch.int64 and got.tolist() == expected
 
 
 @pytest.mark.parametrize("seed", range(4))

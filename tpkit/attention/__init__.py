@@ -8,7 +8,13 @@ heads with SDPA, or over the cache through ``paged_attention``. The attention op
 (``paged_attention``, ``reshape_and_cache``) live in :mod:`tpkit.ops` and are re-exported here.
 """
 
-from tpkit.attention.host_tensors import copy_to_device, host_longs, packed_size, packed_views
+from tpkit.attention.host_tensors import (
+    copy_to_device,
+    host_longs,
+    packed_size,
+    packed_views,
+    token_positions,
+)
 from tpkit.attention.kv_cache import AttentionMetadata, PagedKVCache
 from tpkit.attention.kv_scales import FP8_KV_DTYPES, calibrated_kv_scales, set_kv_scales
 from tpkit.attention.layer import Attention
@@ -27,4 +33,5 @@ __all__ = [
     "paged_attention",
     "reshape_and_cache",
     "set_kv_scales",
+    "token_positions",
 ]

@@ -20,7 +20,13 @@ import torch
 
 from tpkit._memory import available_bytes
 from tpkit.attention.block_pool import ROOT_HASH, BlockPool, block_hash
-from tpkit.attention.host_tensors import _block_tables, _segment_ids, copy_to_device, host_longs
+from tpkit.attention.host_tensors import (
+    _block_tables,
+    _segment_ids,
+    copy_to_device,
+    host_longs,
+    token_positions,
+)
 from tpkit.attention.kv_scales import FP8_KV_DTYPES, set_kv_scales
 
 logger = logging.getLogger("tpkit.attention")
@@ -313,11 +319,10 @@ class PagedKVCache:
         query_start_loc[1:] = q_lens.cumsum(0)
         flat, counts = self._flat_blocks(seq_ids)  # [total_blocks], [num_seqs]
         seq = _segment_ids(q_lens)  # [num_tokens]: each token's sequence
-        # Each token's cache position: the last q_len of its sequence's tokens, in order. Gathers by
-        # index_select, which runs on one thread: indexing by a tensor splits more than 3000 indices over the
-        # intra-op pool (as _segment_ids says of the pool).
-        positions = (torch.arange(seq.shape[0]) - query_start_loc.index_select(0, seq)
-                     + (seq_lens - q_lens).index_select(0, seq))
+        # Each token's cache position: the last q_len of its sequence's tokens, in order.
+        positions = token_positions(seq_lens - q_lens, q_lens)
+        # Gathers by index_select, which runs on one thread: indexing by a tensor splits more than 3000
+        # indices over the intra-op pool (as _segment_ids says of the pool).
         first_block = counts.cumsum(0) - counts  # [num_seqs]: where each sequence's blocks start in flat
         block_index = first_block.index_select(0, seq) + torch.div(positions, self.block_size,
                                                                    rounding_mode="floor")
