@@ -249,6 +249,19 @@ def test_token_positions_equal_a_loop_over_the_segments(seed):
         assert got.dtype == torch.int64 and got.tolist() == expected
 
 
+def test_token_positions_refuses_bad_input_by_name():
+    longs = torch.tensor([3, 4])
+    expected = "expected a 1-D int64 CPU tensor, got"
+    with pytest.raises(ValueError, match=rf"starts: {expected} torch.int32 of shape \(2,\)"):
+        token_positions(longs.int(), longs)
+    with pytest.raises(ValueError, match=rf"counts: {expected} torch.int64 of shape \(1, 2\)"):
+        token_positions(longs, longs[None])
+    with pytest.raises(ValueError, match=r"counts: expected one per start \(2\), got 3"):
+        token_positions(longs, torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match=r"counts: expected counts >= 0, got -1"):
+        token_positions(longs, torch.tensor([2, -1]))
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_segment_ids_equal_repeat_interleave(seed):
     """Each element's segment for random segment lengths (zeros among them, at either end too; thousands of

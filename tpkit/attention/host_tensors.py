@@ -35,7 +35,17 @@ def token_positions(starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     laid end to end; a step's chunks of tokens, each starting at its sequence's ``starts[i]``: every token's
     position. A handful of tensor ops on one thread whatever the number of segments, where building the
     values one range at a time in Python costs hundreds of microseconds at a prefill's thousands of tokens
-    (and one ``arange`` a segment, as much at a step of hundreds of decodes)."""
+    (and one ``arange`` a segment, as much at a step of hundreds of decodes). ``starts`` and ``counts``: int64
+    ``[num_segments]`` on the host, counts at least 0."""
+    for name, tensor in (("starts", starts), ("counts", counts)):
+        if tensor.dtype != torch.int64 or tensor.dim() != 1 or tensor.device.type != "cpu":
+            raise ValueError(f"token_positions: {name}: expected a 1-D int64 CPU tensor, got "
+                             f"{tensor.dtype} of shape {tuple(tensor.shape)} on {tensor.device}")
+    if starts.shape != counts.shape:
+        raise ValueError(f"token_positions: counts: expected one per start ({starts.shape[0]}), got "
+                         f"{counts.shape[0]}")
+    if counts.numel() and int(counts.min()) < 0:
+        raise ValueError(f"token_positions: counts: expected counts >= 0, got {int(counts.min())}")
     seq = _segment_ids(counts)  # [sum(counts)]
     shifts = starts - (counts.cumsum(0) - counts)  # [num_segments]: a segment's start less its first index
     return torch.arange(seq.shape[0]) + shifts.index_select(0, seq)
