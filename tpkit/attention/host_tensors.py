@@ -46,7 +46,11 @@ def token_positions(starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
                          f"{counts.shape[0]}")
     if counts.numel() and int(counts.min()) < 0:
         raise ValueError(f"token_positions: counts: expected counts >= 0, got {int(counts.min())}")
-    seq = _segment_ids(counts)  # [sum(counts)]
+    return _segment_positions(starts, counts, _segment_ids(counts))
+
+
+def _segment_positions(starts: torch.Tensor, counts: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
+    """:func:`token_positions` of checked inputs, given their :func:`_segment_ids` ``seq``."""
     shifts = starts - (counts.cumsum(0) - counts)  # [num_segments]: a segment's start less its first index
     return torch.arange(seq.shape[0]) + shifts.index_select(0, seq)
 

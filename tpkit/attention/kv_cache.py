@@ -23,9 +23,9 @@ from tpkit.attention.block_pool import ROOT_HASH, BlockPool, block_hash
 from tpkit.attention.host_tensors import (
     _block_tables,
     _segment_ids,
+    _segment_positions,
     copy_to_device,
     host_longs,
-    token_positions,
 )
 from tpkit.attention.kv_scales import FP8_KV_DTYPES, set_kv_scales
 
@@ -320,7 +320,7 @@ class PagedKVCache:
         flat, counts = self._flat_blocks(seq_ids)  # [total_blocks], [num_seqs]
         seq = _segment_ids(q_lens)  # [num_tokens]: each token's sequence
         # Each token's cache position: the last q_len of its sequence's tokens, in order.
-        positions = token_positions(seq_lens - q_lens, q_lens)
+        positions = _segment_positions(seq_lens - q_lens, q_lens, seq)
         # Gathers by index_select, which runs on one thread: indexing by a tensor splits more than 3000
         # indices over the intra-op pool (as _segment_ids says of the pool).
         first_block = counts.cumsum(0) - counts  # [num_seqs]: where each sequence's blocks start in flat
