@@ -9,6 +9,7 @@ heads with SDPA, or over the cache through ``paged_attention``. The attention op
 """
 
 from tpkit.attention.host_tensors import (
+    chunk_positions,
     copy_to_device,
     host_longs,
     packed_size,
@@ -26,6 +27,7 @@ __all__ = [
     "AttentionMetadata",
     "PagedKVCache",
     "calibrated_kv_scales",
+    "chunk_positions",
     "copy_to_device",
     "host_longs",
     "packed_size",

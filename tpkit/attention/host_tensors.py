@@ -49,6 +49,15 @@ def token_positions(starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     return _segment_positions(starts, counts, _segment_ids(counts))
 
 
+def chunk_positions(chunks: Iterable[tuple[int, int, Sequence[int]]]) -> torch.Tensor:
+    """int64 ``[num_tokens]`` on the host: the position of every token of a step's chunks ``(seq_id, start,
+    token_ids)`` (the tokens at positions ``start ..`` of their sequence), laid end to end
+    (:func:`token_positions`)."""
+    chunks = list(chunks)
+    return token_positions(host_longs(start for _, start, _ in chunks),
+                           host_longs(len(ids) for _, _, ids in chunks))
+
+
 def _segment_positions(starts: torch.Tensor, counts: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
     """:func:`token_positions` of checked inputs, given their :func:`_segment_ids` ``seq``."""
     shifts = starts - (counts.cumsum(0) - counts)  # [num_segments]: a segment's start less its first index

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tpkit.attention import AttentionMetadata, PagedKVCache, copy_to_device, host_longs, token_positions
+from tpkit.attention import AttentionMetadata, PagedKVCache, chunk_positions, copy_to_device, host_longs
 from tpkit.models.cuda_graph import DecodeGraph
 from tpkit.models.prompts import Prompts, check_input_ids, check_prompts, parse_eos_token_ids
 from tpkit.models.sampling import Sampler, greedy_tokens
@@ -451,8 +451,7 @@ class PagedDecoderOnlyLM(PagedLM):
         give the positions only)."""
         metadata = cache.step_metadata([seq_id for seq_id, _, _ in chunks],
                                        [len(ids) for _, _, ids in chunks])
-        positions = token_positions(host_longs(start for _, start, _ in chunks),
-                                    host_longs(len(ids) for _, _, ids in chunks))  # [num_tokens]
+        positions = chunk_positions(chunks)  # [num_tokens]
         if input_ids is None:
             tokens = host_longs(itertools.chain.from_iterable(ids for _, _, ids in chunks))
             positions, input_ids = copy_to_device([positions, tokens], self.device)

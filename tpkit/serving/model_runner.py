@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from tpkit.attention import AttentionMetadata, copy_to_device, host_longs, token_positions
+from tpkit.attention import AttentionMetadata, chunk_positions, copy_to_device, host_longs
 from tpkit.models.generation import PagedDecoderOnlyLM, PagedLM
 from tpkit.serving.request import DRAWN, Request
 
@@ -180,8 +180,7 @@ class ModelRunner:
         cross_metadata = dataclasses.replace(self.caches["cross"].step_metadata(seq_ids, prompt_lens),
                                              query_lens=self_metadata.query_lens,
                                              query_start_loc=self_metadata.query_start_loc)
-        positions = token_positions(host_longs(start for _, start, _ in chunks),
-                                    host_longs(len(ids) for _, _, ids in chunks))
+        positions = chunk_positions(chunks)
         (positions,) = copy_to_device([positions], device)  # [num_tokens]
         hidden = model.decode(input_ids[None], positions[None], encoder_tokens, self.caches,
                               {"self": self_metadata, "cross": cross_metadata})
