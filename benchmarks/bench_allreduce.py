@@ -8,8 +8,10 @@ such all-reduces, each on its own buffer as a model's layers have, into one grap
 replay time per all-reduce for: ``dist.all_reduce`` (NCCL), and ``torch.ops.symm_mem``'s
 ``one_shot_all_reduce`` (every rank reads every peer's buffer over NVLink and sums),
 ``one_shot_all_reduce_copy`` (the same, the local input copied into the symmetric buffer by the kernel) and
-``two_shot_all_reduce_`` (reduce-scatter, then all-gather, in place). Each symmetric-memory result is
-checked against NCCL's on the same inputs. NVLink multicast stays off (``multimem`` kernels are not timed).
+``two_shot_all_reduce_`` (reduce-scatter, then all-gather, in place), and tpkit's
+``reduce_from_tp_region`` (what the row-parallel layers call: the one-shot kernel with the copy in up to
+``ONE_SHOT_MAX_BYTES``, NCCL above). Each result is checked against NCCL's on the same inputs. NVLink
+multicast stays off (``multimem`` kernels are not timed).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import torch.distributed._symmetric_memory as symm_mem
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_paged_attention import _graph_time_us  # noqa: E402
+
+from tpkit.parallel_layers import TPGroup, reduce_from_tp_region  # noqa: E402
 
 # Without NVLink multicast (NVLS): the kernels timed here are the ones that work without it.
 _NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -68,6 +72,11 @@ def _measure(batch: int, hidden: int, device: torch.device,
     rows.append(("symm_mem one_shot_all_reduce_copy", _us_each(
         [lambda b=b, x=x: ops.one_shot_all_reduce_copy(b, x, "sum", group_name)
          for b, x in zip(symm_buffers, inputs, strict=True)]), copy_error))
+    # What the row-parallel layers run: the one-shot kernel up to ONE_SHOT_MAX_BYTES, NCCL above.
+    tp = TPGroup(dist.group.WORLD, dist.get_rank(), dist.get_world_size(), "nccl")
+    layers_error = error(reduce_from_tp_region(inputs[0], tp))
+    rows.append(("tpkit reduce_from_tp_region", _us_each(
+        [lambda x=x: reduce_from_tp_region(x, tp) for x in inputs]), layers_error))
     two_shot = symm_buffers[2]
     two_shot.copy_(inputs[0])
     two_shot_error = error(ops.two_shot_all_reduce_(two_shot, "sum", group_name))

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from ._failures import collective_failed
 from .state import TPGroup, _resolve_tp_group
+from .symmetric_memory import one_shot_all_reduce
 
 # torch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor (deprecated there); 2.11 has only the
 # old names.
@@ -57,8 +58,11 @@ def _all_reduce_copy(input_: torch.Tensor, group_name: str) -> torch.Tensor:
     # Here, not at the top: torch builds without distributed support lack the module (and reduce nothing).
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    output = input_.clone(memory_format=torch.contiguous_format)
     group = _resolve_process_group(group_name)
+    output = one_shot_all_reduce(input_.contiguous(), group)
+    if output is not None:
+        return output
+    output = input_.clone(memory_format=torch.contiguous_format)
     try:
         dist.all_reduce(output, group=group)
     except RuntimeError as error:
