@@ -15,8 +15,13 @@ import multirank
 import pytest
 import torch
 
-from tpkit.parallel_layers import get_tp_group, init_tensor_parallel, reduce_from_tp_region
-from tpkit.parallel_layers.symmetric_memory import ONE_SHOT_MAX_BYTES, one_shot_all_reduce
+from tpkit.parallel_layers import (
+    ONE_SHOT_MAX_BYTES,
+    get_tp_group,
+    init_tensor_parallel,
+    one_shot_all_reduce,
+    reduce_from_tp_region,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -18,6 +18,9 @@ sharded by the same loaders; ``.quantization``), or get one with :func:`set_quan
 shapes, prompts), which would otherwise abort inside the backend or compute garbage. Sequence parallelism's
 collectives overlap with the products in the layers built with ``overlap_communication=True`` or given it by
 :func:`set_overlap_communication` (:func:`all_gather_matmul`, :func:`matmul_reduce_scatter`; ``.overlap``).
+Decode-sized all-reduces of CUDA tensors (at most :data:`ONE_SHOT_MAX_BYTES`) run as symmetric memory's
+one-shot kernel where the ranks' GPUs can map each other's memory (:func:`one_shot_all_reduce`;
+``.symmetric_memory``), NCCL's otherwise.
 """
 
 from ._consistency import check_ranks_agree
@@ -72,9 +75,11 @@ from .state import (
     get_tp_size,
     init_tensor_parallel,
 )
+from .symmetric_memory import ONE_SHOT_MAX_BYTES, one_shot_all_reduce
 from .vocab_embedding import ParallelLMHead, VocabParallelEmbedding, pad_vocab_size
 
 __all__ = [
+    "ONE_SHOT_MAX_BYTES",
     "ColumnParallelLinear",
     "Fp8LinearMethod",
     "LinearOp",
@@ -108,6 +113,7 @@ __all__ = [
     "local_device",
     "mark_sequence_parallel",
     "matmul_reduce_scatter",
+    "one_shot_all_reduce",
     "pad_vocab_size",
     "process_weights_after_loading",
     "reduce_from_tp_region",
