@@ -32,16 +32,19 @@ def teardown_module() -> None:
     _ranks.close()
 
 
-# (shape, dtype, whether the one-shot kernel takes it)
+# (shape, dtype, the input's offset in elements into its storage, whether the one-shot kernel takes it)
 _CASES = [
-    ((1, 4096), torch.bfloat16, True),
-    ((8, 4096), torch.bfloat16, True),
-    ((32, 4096), torch.bfloat16, True),  # ONE_SHOT_MAX_BYTES exactly
-    ((3, 5, 6), torch.float16, True),
-    ((7, 1000), torch.float32, True),
-    ((33, 4096), torch.bfloat16, False),  # over ONE_SHOT_MAX_BYTES
-    ((1, 7), torch.bfloat16, False),  # 14 bytes
-    ((4, 9), torch.int64, False),
+    ((1, 4096), torch.bfloat16, 0, True),
+    ((8, 4096), torch.bfloat16, 0, True),
+    ((32, 4096), torch.bfloat16, 0, True),  # ONE_SHOT_MAX_BYTES exactly
+    ((3, 5, 6), torch.float32, 0, True),
+    ((7, 1000), torch.float32, 4, True),  # 16 bytes in: vectors of 16 bytes
+    ((6, 10), torch.bfloat16, 4, True),  # 120 bytes: vectors of 8, from 8 bytes in
+    ((2, 8), torch.bfloat16, 2, False),  # 32 bytes: vectors of 16, from 4 bytes in
+    ((33, 4096), torch.bfloat16, 0, False),  # over ONE_SHOT_MAX_BYTES
+    ((1, 7), torch.bfloat16, 0, False),  # 14 bytes
+    ((3, 5, 6), torch.float16, 0, False),  # the kernel has no float16
+    ((4, 9), torch.int64, 0, False),
 ]
 
 
@@ -67,11 +70,13 @@ def _check_sums() -> None:
     device = torch.device("cuda", tp.rank % torch.cuda.device_count())
     torch.cuda.set_device(device)
     assert ONE_SHOT_MAX_BYTES == 32 * 4096 * 2
-    for seed, (shape, dtype, one_shot) in enumerate(_CASES):
+    for seed, (shape, dtype, offset, one_shot) in enumerate(_CASES):
         inputs = _inputs(tp.size, shape, dtype, seed)
-        mine = inputs[tp.rank].to(device)
+        storage = torch.zeros(offset + inputs[tp.rank].numel(), dtype=dtype, device=device)
+        mine = storage[offset:].view(shape)
+        mine.copy_(inputs[tp.rank])
         taken = one_shot_all_reduce(mine, tp.group)
-        assert (taken is not None) == (one_shot and _own_gpus()), (shape, dtype)
+        assert (taken is not None) == (one_shot and _own_gpus()), (shape, dtype, offset)
         out = reduce_from_tp_region(mine, tp)
         assert out.shape == shape and out.dtype == dtype
         # Two ranks: one rounding of the exact sum, whatever the kernel; more: a rounding a rank.

@@ -6,7 +6,8 @@ every rank's address space; its one-shot all-reduce copies the local input into 
 at a barrier of signal pads until every rank has done the same, and sums the peers' buffers over NVLink
 into the output, one kernel in all, which a CUDA graph captures like any other.
 
-:func:`one_shot_all_reduce` takes a CUDA tensor of at most :data:`ONE_SHOT_MAX_BYTES` when every rank of
+:func:`one_shot_all_reduce` takes a bf16 or float32 CUDA tensor of at most :data:`ONE_SHOT_MAX_BYTES`
+(its size a multiple of 4 bytes, its start aligned to the kernel's vectors) when every rank of
 the group is on one host, each on a GPU of its own that can reach the others', and returns None otherwise,
 for the caller's NCCL (or gloo) all-reduce. The group's buffer is made (a collective: every rank calls it
 in the same order, as it calls the all-reduces) at the first such all-reduce outside a CUDA graph capture;
@@ -31,7 +32,7 @@ from .state import _on_destroy
 # The largest all-reduce taken by the one-shot kernel: a decode step's [batch, hidden] up to batch 32 at
 # hidden 4096 in bf16. Larger messages go to NCCL, whose ring and tree move bytes at the links' rate.
 ONE_SHOT_MAX_BYTES = 256 * 1024
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_DTYPES = (torch.bfloat16, torch.float32)  # the kernel's
 
 # Per (group name, device index): the rank's symmetric buffer of ONE_SHOT_MAX_BYTES, or None where the
 # group cannot have one (then it never tries again).
@@ -43,7 +44,12 @@ def one_shot_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch
     one-shot kernel; None where it does not apply (see the module's doc), for the caller's collective."""
     nbytes = tensor.numel() * tensor.element_size()
     if (tensor.device.type != "cuda" or tensor.dtype not in _DTYPES or not 0 < nbytes <= ONE_SHOT_MAX_BYTES
-            or nbytes % 4 or tensor.data_ptr() % 4 or not tensor.is_contiguous()):
+            or nbytes % 4 or not tensor.is_contiguous()):
+        return None
+    # The kernel moves vectors of the widest of 16, 8 or 4 bytes that divides the size, in the buffer (at
+    # its start) and in the input alike: the input must start at such a boundary.
+    vector = next(width for width in (16, 8, 4) if nbytes % width == 0)
+    if tensor.data_ptr() % vector or tensor.storage_offset() * tensor.element_size() % vector:
         return None
     if not env_flag("TPKIT_SYMMETRIC_ALL_REDUCE", True):
         return None
