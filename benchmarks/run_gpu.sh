@@ -74,7 +74,7 @@ _extension.build(torch.cuda.get_device_capability())" ;;
                 python3 "${PYTEST[@]}" "${SANITIZE_CASES[@]}" ;;
     demo) python3 -m tpkit.demo && python3 -m tpkit.demo --cuda-graph ;;
     attention) python3 benchmarks/bench_paged_attention.py &&
-               python3 benchmarks/bench_paged_attention.py --flex-budget-s 0 --impls tpkit --kv-dtype fp8_e4m3 \
+               python3 benchmarks/bench_paged_attention.py --flex-budget-s 0 --kv-dtype fp8_e4m3 \
                  --json benchmarks/results/paged_attention_fp8_h200.json &&
                python3 benchmarks/bench_attention_variants.py ;;
     prefill) python3 benchmarks/bench_paged_prefill.py ;;
