@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import socket
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -34,9 +35,11 @@ from .state import _on_destroy
 ONE_SHOT_MAX_BYTES = 256 * 1024
 _DTYPES = (torch.bfloat16, torch.float32)  # the kernel's
 
-# Per (group name, device index): the rank's symmetric buffer of ONE_SHOT_MAX_BYTES, or None where the
-# group cannot have one (then it never tries again).
-_buffers: dict[tuple[str, int], torch.Tensor | None] = {}
+# Per process group (held weakly: a group made after another's destruction may take its name), per device
+# index: the rank's symmetric buffer of ONE_SHOT_MAX_BYTES, or None where the group cannot have one (then
+# it never tries again).
+_buffers: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[int, torch.Tensor | None]] = (
+    weakref.WeakKeyDictionary())
 
 
 def one_shot_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor | None:
@@ -53,13 +56,14 @@ def one_shot_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch
         return None
     if not env_flag("TPKIT_SYMMETRIC_ALL_REDUCE", True):
         return None
-    key = (group.group_name, tensor.device.index)
-    if key not in _buffers:
+    buffers = _buffers.setdefault(group, {})
+    index = tensor.device.index
+    if index not in buffers:
         if torch.cuda.is_current_stream_capturing():
             return None  # making the buffer synchronises the device, which a capture cannot
         with torch.cuda.device(tensor.device):  # where the object collectives' tensors go, as the group's
-            _buffers[key] = _make_buffer(group, tensor.device)
-    buffer = _buffers[key]
+            buffers[index] = _make_buffer(group, tensor.device)
+    buffer = buffers[index]
     if buffer is None:
         return None
     flat = buffer.view(tensor.dtype)[: tensor.numel()]
